@@ -1,0 +1,368 @@
+"""A framed, metered, mutually authenticated TLS 1.3 channel between two processes.
+
+Design (DESIGN.md 4.2):
+- TLS runs over an in-memory BIO pair (``ssl.MemoryBIO`` + ``SSLObject``) instead of an
+  ``SSLSocket``: OpenSSL forbids using one SSL object from two threads at once, and we
+  need a reader thread so that two parties sending large tensors to each other at the
+  same time cannot deadlock on full socket buffers. A lock serialises the (CPU-only)
+  encrypt/decrypt calls; socket I/O happens outside it.
+- Frames are ``kind (1 byte) | length (8 bytes, little endian) | payload``. Tensor
+  payloads are written from and read into the tensor's own memory (no pickling).
+- Link emulation: a sender waits ``bytes / bandwidth`` before its bytes leave (the link
+  is busy), a receiver hands a frame over no earlier than ``latency`` after it arrived.
+  With ``tc netem`` unavailable this is what makes LAN/WAN runs meaningful.
+- Failure: a closed or reset connection is reported as ``PeerDisconnected`` at once; a
+  silent peer as ``PeerTimeout`` after ``timeout`` seconds. Nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import ssl
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from . import tls
+from .metering import Meter
+
+_HEADER = struct.Struct("<BQ")
+HEADER_BYTES = _HEADER.size
+KIND_TENSOR = 1
+KIND_OBJECT = 2
+KIND_HELLO = 3
+_CHUNK = 1 << 20
+DEFAULT_TIMEOUT = 120.0
+MAX_FRAME = 1 << 36  # 64 GiB: a bound, so a corrupt length cannot make us allocate wildly
+
+
+class ChannelError(ConnectionError):
+    """Base class of transport failures."""
+
+
+class PeerDisconnected(ChannelError):
+    """The peer closed the connection or its process died."""
+
+
+class PeerTimeout(ChannelError, TimeoutError):
+    """The peer sent nothing within the timeout."""
+
+
+class HandshakeError(ChannelError):
+    """TLS or identity verification failed; the connection was not established."""
+
+
+class ProtocolError(ChannelError):
+    """The peer sent a frame we did not expect (kind or size)."""
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """Emulated link: one-way latency in seconds, bandwidth in bits per second (0 = unlimited)."""
+
+    latency: float = 0.0
+    bandwidth_bps: float = 0.0
+
+    def transfer_time(self, nbytes: int) -> float:
+        return nbytes * 8.0 / self.bandwidth_bps if self.bandwidth_bps > 0 else 0.0
+
+
+NO_LINK = LinkProfile()
+
+
+class _Closed:
+    def __init__(self, cause: BaseException | None):
+        self.cause = cause
+
+
+class Channel:
+    """One side of a TLS connection, carrying frames. Use ``connect`` or ``accept``."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        sslobj: ssl.SSLObject,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
+        *,
+        kind: str,
+        meter: Meter | None,
+        link: LinkProfile,
+        timeout: float,
+        label: str,
+    ):
+        self.kind = kind
+        self.meter = meter
+        self.link = link
+        self.timeout = timeout
+        self.label = label
+        self.peer = ""
+        self._sock = sock
+        self._send_sock = sock.dup()  # own timeout for sends; the reader blocks freely
+        self._send_sock.settimeout(timeout)
+        self._ssl = sslobj
+        self._in = incoming
+        self._out = outgoing
+        self._ssl_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._frames: queue.Queue = queue.Queue()
+        self._closed: _Closed | None = None
+        self._round_open = False
+        self._round_epoch = -1
+        self._link_free_at = 0.0
+        self.wire_sent = 0
+        self.wire_received = 0
+        self._reader: threading.Thread | None = None
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def connect(
+        cls,
+        address: tuple[str, int],
+        ctx: ssl.SSLContext,
+        expected_peer: str,
+        *,
+        kind: str = "online",
+        meter: Meter | None = None,
+        link: LinkProfile = NO_LINK,
+        timeout: float = DEFAULT_TIMEOUT,
+        connect_timeout: float = 30.0,
+    ) -> "Channel":
+        """Connect to ``address`` and require the server to prove identity ``expected_peer``."""
+        deadline = time.monotonic() + connect_timeout
+        while True:
+            try:
+                sock = socket.create_connection(address, timeout=connect_timeout)
+                break
+            except (ConnectionRefusedError, OSError) as exc:
+                if time.monotonic() >= deadline:
+                    raise PeerDisconnected(f"cannot connect to {expected_peer} at {address}: {exc}") from exc
+                time.sleep(0.05)
+        inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        sslobj = ctx.wrap_bio(inc, out, server_side=False, server_hostname=expected_peer)
+        ch = cls(sock, sslobj, inc, out, kind=kind, meter=meter, link=link, timeout=timeout,
+                 label=f"{kind} channel to {expected_peer}")
+        ch._establish(lambda name: name == expected_peer, expected_peer)
+        return ch
+
+    @classmethod
+    def accept(
+        cls,
+        listener: socket.socket,
+        ctx: ssl.SSLContext,
+        allowed_peer: Callable[[str], bool] | str,
+        *,
+        kind: str = "online",
+        meter: Meter | None = None,
+        link: LinkProfile = NO_LINK,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> "Channel":
+        """Accept one connection; the client's certificate must name an allowed peer."""
+        check = (lambda n: n == allowed_peer) if isinstance(allowed_peer, str) else allowed_peer
+        listener.settimeout(timeout)
+        try:
+            sock, _addr = listener.accept()
+        except socket.timeout as exc:
+            raise PeerTimeout(f"no peer connected within {timeout:.0f}s") from exc
+        sock.settimeout(timeout)
+        inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        sslobj = ctx.wrap_bio(inc, out, server_side=True)
+        ch = cls(sock, sslobj, inc, out, kind=kind, meter=meter, link=link, timeout=timeout,
+                 label=f"{kind} channel (accepted)")
+        ch._establish(check, str(allowed_peer) if isinstance(allowed_peer, str) else "an allowed peer")
+        return ch
+
+    def _establish(self, check: Callable[[str], bool], wanted: str) -> None:
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self._handshake()
+            name = tls.peer_name(self._ssl.getpeercert())
+            if not check(name):
+                raise tls.IdentityError(f"peer identified as {name!r}, expected {wanted}")
+        except (ssl.SSLError, OSError, PeerDisconnected) as exc:
+            self._sock.close()
+            self._send_sock.close()
+            raise HandshakeError(f"{self.label}: TLS handshake failed: {exc}") from exc
+        self.peer = name
+        self.label = f"{self.kind} channel to {name}"
+        self._sock.settimeout(None)
+        self._reader = threading.Thread(target=self._read_loop, name=self.label, daemon=True)
+        self._reader.start()
+        # In TLS 1.3 the client finishes its handshake before the server has checked the
+        # client's certificate; exchanging a hello frame surfaces a rejection here, at
+        # connect time, instead of at the first protocol message.
+        try:
+            self.send_frame(KIND_HELLO, b"starfish/1")
+            kind, payload = self._next_frame()
+        except ChannelError as exc:
+            self.close()
+            raise HandshakeError(f"{self.label}: peer rejected the connection: {exc}") from exc
+        if kind != KIND_HELLO or bytes(payload) != b"starfish/1":
+            self.close()
+            raise HandshakeError(f"{self.label}: peer speaks another protocol")
+
+    def _handshake(self) -> None:
+        while True:
+            try:
+                self._ssl.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self._flush_raw()
+                data = self._sock.recv(65536)
+                if not data:
+                    raise PeerDisconnected("connection closed during the TLS handshake")
+                self.wire_received += len(data)
+                self._in.write(data)
+        self._flush_raw()
+        if self._ssl.version() != "TLSv1.3":
+            raise HandshakeError(f"negotiated {self._ssl.version()}, TLS 1.3 required")
+
+    def _flush_raw(self) -> None:
+        data = self._out.read()
+        if data:
+            self._sock.sendall(data)
+            self.wire_sent += len(data)
+            self._meter_wire(sent=len(data))
+
+    def _meter_wire(self, sent: int = 0, received: int = 0) -> None:
+        if self.meter is not None:
+            self.meter.wire(self.kind, sent=sent, received=received)
+
+    # ----------------------------------------------------------------------- sending
+    def send_frame(self, kind: int, *parts) -> None:
+        """Send one frame whose payload is the concatenation of the buffers ``parts``."""
+        views = [memoryview(p).cast("B") for p in parts]
+        length = sum(v.nbytes for v in views)
+        self._check_open()
+        if self.link.bandwidth_bps > 0:
+            # the link carries our bytes one after another: wait while it is busy
+            now = time.monotonic()
+            start = max(now, self._link_free_at)
+            self._link_free_at = start + self.link.transfer_time(length + HEADER_BYTES)
+            time.sleep(max(0.0, self._link_free_at - now))
+        with self._send_lock:
+            self._write(memoryview(_HEADER.pack(kind, length)))
+            for v in views:
+                for off in range(0, v.nbytes, _CHUNK):
+                    self._write(v[off : off + _CHUNK])
+        if self.meter is not None and kind != KIND_HELLO:
+            if not self._round_open or self._round_epoch != self.meter.epoch:
+                self.meter.round(self.kind)
+                self._round_open = True
+                self._round_epoch = self.meter.epoch
+            self.meter.sent(self.kind, length + HEADER_BYTES)
+
+    def _write(self, view: memoryview) -> None:
+        with self._ssl_lock:
+            self._ssl.write(view)
+            data = self._out.read()
+        try:
+            self._send_sock.sendall(data)
+        except socket.timeout as exc:
+            raise PeerTimeout(f"{self.label}: peer did not take our data within {self.timeout:.0f}s") from exc
+        except OSError as exc:
+            self._closed = self._closed or _Closed(exc)
+            raise PeerDisconnected(f"{self.label}: connection lost while sending: {exc}") from exc
+        self.wire_sent += len(data)
+        self._meter_wire(sent=len(data))
+
+    # --------------------------------------------------------------------- receiving
+    def _read_loop(self) -> None:
+        header = bytearray(HEADER_BYTES)
+        payload: bytearray | None = None
+        view = memoryview(header)
+        filled = 0
+        raw = bytearray(_CHUNK)
+        raw_view = memoryview(raw)
+        try:
+            while True:
+                n = self._sock.recv_into(raw)
+                if n == 0:
+                    raise PeerDisconnected("peer closed the connection")
+                self.wire_received += n
+                self._meter_wire(received=n)
+                flush = False
+                with self._ssl_lock:
+                    self._in.write(raw_view[:n])
+                    while True:
+                        if filled == len(view) and payload is None:
+                            kind, length = _HEADER.unpack(header)
+                            if length > MAX_FRAME:
+                                raise ProtocolError(f"frame of {length} bytes exceeds the limit")
+                            payload = bytearray(length)
+                            view, filled = memoryview(payload), 0
+                        if payload is not None and filled == len(view):
+                            self._frames.put((kind, payload, time.monotonic()))
+                            payload, view, filled = None, memoryview(header), 0
+                            continue
+                        try:
+                            got = self._ssl.read(len(view) - filled, view[filled:])
+                        except ssl.SSLWantReadError:
+                            break
+                        if got == 0:
+                            raise PeerDisconnected("peer closed the TLS session")
+                        filled += got
+                    flush = self._out.pending > 0
+                if flush:  # e.g. a TLS key update the peer asked us to answer
+                    with self._send_lock, self._ssl_lock:
+                        data = self._out.read()
+                    if data:
+                        self._send_sock.sendall(data)
+        except BaseException as exc:  # noqa: BLE001 - any failure ends the channel
+            self._frames.put(_Closed(exc))
+
+    def _next_frame(self) -> tuple[int, bytearray]:
+        try:
+            item = self._frames.get(timeout=self.timeout)
+        except queue.Empty:
+            raise PeerTimeout(f"{self.label}: no message from the peer within {self.timeout:.0f}s") from None
+        if isinstance(item, _Closed):
+            self._closed = item
+            self._frames.put(item)  # later receives fail fast too
+            cause = item.cause
+            if isinstance(cause, ChannelError):
+                raise type(cause)(f"{self.label}: {cause}") from cause
+            raise PeerDisconnected(f"{self.label}: connection lost: {cause!r}") from cause
+        kind, payload, arrived = item
+        if self.link.latency > 0:
+            wait = arrived + self.link.latency - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+        return kind, payload
+
+    def recv_frame(self, expected_kind: int, expected_bytes: int | None = None) -> bytearray:
+        kind, payload = self._next_frame()
+        if kind != expected_kind:
+            raise ProtocolError(f"{self.label}: expected frame kind {expected_kind}, got {kind}")
+        if expected_bytes is not None and len(payload) != expected_bytes:
+            raise ProtocolError(
+                f"{self.label}: expected {expected_bytes} payload bytes, got {len(payload)}"
+            )
+        if self.meter is not None:
+            self.meter.received(self.kind, len(payload) + HEADER_BYTES)
+        self._round_open = False
+        return payload
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise PeerDisconnected(f"{self.label}: connection already lost: {self._closed.cause!r}")
+
+    def close(self) -> None:
+        for s in (self._send_sock, self._sock):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+def listen(host: str = "127.0.0.1", port: int = 0, backlog: int = 8) -> socket.socket:
+    """A listening TCP socket; port 0 picks a free port (read it from getsockname())."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    s.listen(backlog)
+    return s

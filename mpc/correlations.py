@@ -1,0 +1,180 @@
+"""Correlated randomness (Beaver triples and friends) derived from two AES-CTR seeds.
+
+The dealer (DESIGN.md 4.3) and the parties run the same derivations. For request
+number ``i``, party 0's shares are drawn from PRG(seed0, stream=i) and the freely
+chosen part of party 1's shares from PRG(seed1, stream=i); only the dealer knows both
+seeds, computes the correlated value (e.g. c = a*b) and sends party 1 the *correction*
+share that makes the pair add up. Party 0 therefore never talks to the dealer after
+receiving its seed, and party 1 receives one tensor per request (c1, r^2_1, ...).
+
+Each party's share is a uniform ring element given the other party's view, so neither
+server learns the correlated secrets. Requests are plain tuples of ints and strings (no
+pickled objects), so they can be sent to the dealer and recorded as a plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .prg import Prg
+
+# Ops for which a party may ask for a Beaver triple c = op(a, b); torch computes them
+# on int64 with wrap-around, which is arithmetic mod 2^64.
+TRIPLE_OPS = ("mul", "matmul", "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d")
+KINDS = ("triple", "square", "binary_triple", "wrap_rng", "b2a_rng")
+MAX_ELEMENTS = 1 << 31  # per tensor in one request; a bound against absurd requests
+
+
+class RequestError(ValueError):
+    """A malformed or unsupported correlated-randomness request."""
+
+
+def _size(x: Any) -> tuple[int, ...]:
+    try:
+        size = tuple(int(d) for d in x)
+    except TypeError:
+        size = (int(x),)
+    if any(d < 0 for d in size) or int(np.prod(size, dtype=np.float64)) > MAX_ELEMENTS:
+        raise RequestError(f"bad tensor size {size}")
+    return size
+
+
+def _plain(v: Any) -> Any:
+    """Canonicalise op arguments to ints/floats/strings/tuples (hashable, msgpack-able)."""
+    if isinstance(v, (list, tuple, torch.Size)):
+        return tuple(_plain(x) for x in v)
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    raise RequestError(f"unsupported argument type {type(v).__name__} in a triple request")
+
+
+def make_request(kind: str, *args: Any, **kwargs: Any) -> tuple:
+    """Canonical request tuple: (kind, sizes..., op, args, sorted kwargs)."""
+    if kind == "triple":
+        size0, size1, op, *extra = args
+        return ("triple", _size(size0), _size(size1), str(op), _plain(tuple(extra)),
+                tuple(sorted((str(k), _plain(v)) for k, v in kwargs.items())))
+    if kind == "binary_triple":
+        return ("binary_triple", _size(args[0]), _size(args[1]))
+    if kind in ("square", "wrap_rng", "b2a_rng"):
+        return (kind, _size(args[0]))
+    raise RequestError(f"unknown request kind {kind!r}")
+
+
+def validate(req: Any) -> tuple:
+    """Rebuild a request received from the network, rejecting anything unexpected."""
+    if not isinstance(req, (list, tuple)) or not req or req[0] not in KINDS:
+        raise RequestError(f"malformed request {req!r:.200}")
+    if req[0] == "triple":
+        if len(req) != 6 or req[3] not in TRIPLE_OPS:
+            raise RequestError(f"unsupported triple request {req!r:.200}")
+        kwargs = {k: v for k, v in req[5]}
+        return make_request("triple", req[1], req[2], req[3], *req[4], **kwargs)
+    if req[0] == "binary_triple":
+        return make_request("binary_triple", req[1], req[2])
+    return make_request(req[0], req[1])
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _op_result_shape(req: tuple) -> tuple[int, ...]:
+    _, size0, size1, op, extra, kwargs = req
+    if op == "mul":  # the common case; meta tensors cost a second of warm-up on first use
+        return tuple(torch.broadcast_shapes(size0, size1))
+    a = torch.empty(size0, dtype=torch.long, device="meta")
+    b = torch.empty(size1, dtype=torch.long, device="meta")
+    return tuple(getattr(torch, op)(a, b, *extra, **dict(kwargs)).shape)
+
+
+def _apply(req: tuple, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    _, _, _, op, extra, kwargs = req
+    return getattr(torch, op)(a, b, *extra, **dict(kwargs))
+
+
+def _wraps(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """+1 where x + y overflowed upward, -1 where it overflowed downward (signed int64)."""
+    s = x + y
+    up = (x > 0) & (y > 0) & (s < 0)
+    down = (x < 0) & (y < 0) & (s >= 0)
+    return up.long() - down.long()
+
+
+def party0_shares(req: tuple, seed0: bytes, index: int) -> tuple[torch.Tensor, ...]:
+    """Party 0's complete shares for request ``index`` (no dealer message needed)."""
+    g = Prg(seed0, index)
+    kind = req[0]
+    if kind == "triple":
+        return _t(g.ring(req[1])), _t(g.ring(req[2])), _t(g.ring(_op_result_shape(req)))
+    if kind == "square":
+        return _t(g.ring(req[1])), _t(g.ring(req[1]))
+    if kind == "binary_triple":
+        c_shape = torch.broadcast_shapes(req[1], req[2])
+        return _t(g.ring(req[1])), _t(g.ring(req[2])), _t(g.ring(tuple(c_shape)))
+    if kind == "wrap_rng":
+        return _t(g.ring(req[1])), _t(g.ring(req[1]))
+    if kind == "b2a_rng":
+        return _t(g.ring(req[1])), _t(g.bits(req[1]))  # (arithmetic rA0, binary rB0)
+    raise RequestError(kind)
+
+
+def party1_free_shares(req: tuple, seed1: bytes, index: int) -> tuple[torch.Tensor, ...]:
+    """The part of party 1's shares it can derive alone (everything but the correction)."""
+    g = Prg(seed1, index)
+    kind = req[0]
+    if kind == "triple":
+        return _t(g.ring(req[1])), _t(g.ring(req[2]))
+    if kind == "square":
+        return (_t(g.ring(req[1])),)
+    if kind == "binary_triple":
+        return _t(g.ring(req[1])), _t(g.ring(req[2]))
+    if kind == "wrap_rng":
+        return (_t(g.ring(req[1])),)
+    if kind == "b2a_rng":
+        return (_t(g.bits(req[1])),)  # binary rB1
+    raise RequestError(kind)
+
+
+def correction(req: tuple, seed0: bytes, seed1: bytes, index: int) -> torch.Tensor:
+    """What the dealer sends party 1 for request ``index``."""
+    p0 = party0_shares(req, seed0, index)
+    p1 = party1_free_shares(req, seed1, index)
+    kind = req[0]
+    if kind == "triple":
+        a, b = p0[0] + p1[0], p0[1] + p1[1]
+        return _apply(req, a, b) - p0[2]
+    if kind == "square":
+        r = p0[0] + p1[0]
+        return r * r - p0[1]
+    if kind == "binary_triple":
+        return ((p0[0] ^ p1[0]) & (p0[1] ^ p1[1])) ^ p0[2]
+    if kind == "wrap_rng":
+        return _wraps(p0[0], p1[0]) - p0[1]
+    if kind == "b2a_rng":
+        return (p0[1] ^ p1[0]) - p0[0]
+    raise RequestError(kind)
+
+
+def party1_shares(req: tuple, seed1: bytes, index: int, corr: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Party 1's complete shares, in the same order as ``party0_shares``."""
+    free = party1_free_shares(req, seed1, index)
+    kind = req[0]
+    if kind in ("triple", "binary_triple"):
+        return free[0], free[1], corr
+    if kind in ("square", "wrap_rng"):
+        return free[0], corr
+    if kind == "b2a_rng":
+        return corr, free[0]
+    raise RequestError(kind)
+
+
+def correction_shape(req: tuple) -> tuple[int, ...]:
+    if req[0] == "triple":
+        return _op_result_shape(req)
+    if req[0] == "binary_triple":
+        return tuple(torch.broadcast_shapes(req[1], req[2]))
+    return req[1]

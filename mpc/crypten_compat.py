@@ -1,0 +1,128 @@
+"""The only module that touches CrypTen internals.
+
+Why it exists: CrypTen 0.4.1 predates torch 2.13. ``import crypten`` imports
+``crypten.nn.onnx_converter``, which needs the ``onnx`` package and
+``torch.onnx._internal.registration`` (removed from torch). We never convert ONNX
+models (the servers compute on shares, not on CrypTen models), so instead of
+installing ``onnx`` and faking torch internals we register a stand-in converter module
+whose functions raise a clear error. ``tests/test_crypten_compat.py`` fails as soon as
+plain ``import crypten`` starts to work (shim no longer needed) or the shim stops
+making it work.
+
+Every other seam into CrypTen (installing our communicator, registering our
+correlated-randomness provider, seeding its generators) is here too, so an upgrade of
+CrypTen has one file to review.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+_STUB_NAME = "crypten.nn.onnx_converter"
+
+
+def _onnx_unavailable(*_args: Any, **_kwargs: Any) -> None:
+    raise NotImplementedError(
+        "CrypTen's ONNX model conversion is disabled in this project: CrypTen 0.4.1's "
+        "converter does not work with torch 2.13, and Starfish does not need it."
+    )
+
+
+def _install_onnx_stub() -> None:
+    if _STUB_NAME in sys.modules:
+        return
+    stub = types.ModuleType(_STUB_NAME)
+    stub.__doc__ = "Stand-in installed by mpc.crypten_compat; see its docstring."
+    stub.from_onnx = _onnx_unavailable
+    stub.from_pytorch = _onnx_unavailable
+    stub.from_tensorflow = _onnx_unavailable
+    stub.TF_AND_TF2ONNX = False
+    sys.modules[_STUB_NAME] = stub
+
+
+def import_crypten():
+    """Return the ``crypten`` module, importing it through the shim on first use."""
+    if "crypten" in sys.modules and hasattr(sys.modules["crypten"], "mpc"):
+        return sys.modules["crypten"]
+    _install_onnx_stub()
+    import crypten  # noqa: PLC0415  (deliberately late: the stub must be in place)
+
+    return crypten
+
+
+crypten = import_crypten()
+
+import crypten.communicator as _comm_pkg  # noqa: E402
+import crypten.mpc as _crypten_mpc  # noqa: E402
+from crypten.communicator import Communicator as CommunicatorBase  # noqa: E402
+from crypten.config import cfg  # noqa: E402
+from crypten.mpc.primitives import ArithmeticSharedTensor, BinarySharedTensor  # noqa: E402
+from crypten.mpc.provider.provider import TupleProvider as TupleProviderBase  # noqa: E402
+
+__all__ = [
+    "crypten",
+    "cfg",
+    "CommunicatorBase",
+    "TupleProviderBase",
+    "ArithmeticSharedTensor",
+    "BinarySharedTensor",
+    "install_communicator",
+    "uninstall_communicator",
+    "register_provider",
+    "use_provider",
+    "seed_generators",
+    "restricted_loads",
+]
+
+# CrypTen's module-level provider table; name is not mangled at module level.
+_PROVIDERS: dict = getattr(_crypten_mpc, "__SUPPORTED_PROVIDERS")
+
+
+def install_communicator(cls: type) -> None:
+    """Make ``crypten.communicator.get()`` return ``cls.get()``.
+
+    ``crypten.communicator.get`` looks up the name ``DistributedCommunicator`` in its
+    module globals at call time, so rebinding it is enough; we never call
+    ``crypten.init()`` and so never start torch.distributed.
+    """
+    _comm_pkg.DistributedCommunicator = cls
+    # crypten.communicator keeps a module flag choosing its in-process communicator.
+    setattr(_comm_pkg, "__use_threads", False)
+
+
+def uninstall_communicator() -> None:
+    from crypten.communicator.distributed_communicator import DistributedCommunicator
+
+    _comm_pkg.DistributedCommunicator = DistributedCommunicator
+
+
+def register_provider(name: str, provider: Any) -> None:
+    _PROVIDERS[name] = provider
+
+
+def use_provider(name: str) -> None:
+    if name not in _PROVIDERS:
+        raise KeyError(f"unknown CrypTen tuple provider {name!r}; known: {sorted(_PROVIDERS)}")
+    cfg.mpc.provider = name
+
+
+def seed_generators() -> None:
+    """Seed CrypTen's torch generators through the installed communicator.
+
+    CrypTen draws the seeds from ``os.urandom`` and exchanges them with the peer. In
+    two-party computation both parties know both pairwise seeds, so CrypTen's
+    pseudo-random zero sharings (PRZS) are known to both servers and hide nothing; a
+    value shared with ``src=i`` is security-equivalent to a trivial sharing (x, 0).
+    Nothing in this project relies on those generators for secrecy: secret-hiding
+    randomness comes from clients' CSPRNG shares and the dealer's AES-CTR streams.
+    """
+    crypten._setup_prng()
+
+
+def restricted_loads(buf: bytes) -> Any:
+    """Unpickle a peer's object with CrypTen's allow-list unpickler (no arbitrary code)."""
+    from crypten.common import serial
+
+    return serial.restricted_loads(buf)

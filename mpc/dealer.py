@@ -1,0 +1,201 @@
+"""The dealer: a third, non-colluding party that produces correlated randomness.
+
+Protocol (msgpack control frames over mutually authenticated TLS; see
+``mpc.correlations`` for the mathematics):
+
+1. Each server connects with its own certificate (``server0``/``server1``) and says
+   ``{"op": "hello", "session": <16 bytes>, "rank": r}``. The two servers agreed on the
+   session id over their own link. The dealer answers with that rank's 16-byte seed.
+   A rank's seed is handed out once per session, and only to the certificate of that
+   rank: server 1 can never obtain seed 0.
+2. Server 0 is then done. Server 1 asks ``{"op": "get", "index": i, "request": req}``
+   (one correction tensor back) or ``{"op": "prefill", "start": i, "requests": [...]}``
+   (one correction tensor per request, streamed before the online phase).
+3. ``{"op": "bye"}`` ends the session.
+
+The dealer never receives data: requests are sizes and op names only.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from dataclasses import dataclass, field
+
+import msgpack
+
+from . import correlations, tls
+from .channel import KIND_OBJECT, KIND_TENSOR, Channel, ChannelError, listen
+from .prg import new_seed
+
+log = logging.getLogger("starfish.dealer")
+MAX_PREFILL = 1 << 20  # requests in one prefill message
+
+
+def pack(msg: dict) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(buf: bytes) -> dict:
+    msg = msgpack.unpackb(bytes(buf), raw=False, max_bin_len=1 << 24, max_array_len=MAX_PREFILL,
+                          max_str_len=1 << 16, max_map_len=64)
+    if not isinstance(msg, dict) or "op" not in msg:
+        raise correlations.RequestError("dealer message must be a map with an 'op'")
+    return msg
+
+
+@dataclass
+class _Session:
+    seeds: tuple[bytes, bytes] = field(default_factory=lambda: (new_seed(), new_seed()))
+    handed: set = field(default_factory=set)
+
+
+class DealerServer:
+    """Serves any number of concurrent two-party sessions, one thread per connection."""
+
+    def __init__(self, ident: tls.Identity, host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0):
+        self._ctx = tls.server_context(ident)
+        self._listener = listen(host, port)
+        self._timeout = timeout
+        self._sessions: dict[bytes, _Session] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._listener.getsockname()[:2]
+
+    def serve_forever(self) -> None:
+        self._listener.settimeout(0.5)
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            threading.Thread(target=self._serve_connection, args=(sock,), daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._listener.close()
+
+    def _serve_connection(self, sock: socket.socket) -> None:
+        one_shot = _OneShotListener(sock)
+        try:
+            ch = Channel.accept(one_shot, self._ctx, lambda n: n in tls.PARTY_NAMES,
+                                kind="offline", timeout=self._timeout)
+        except ChannelError as exc:
+            log.warning("refused a dealer connection: %s", exc)
+            return
+        try:
+            self._serve(ch)
+        except (ChannelError, correlations.RequestError, KeyError, ValueError, TypeError) as exc:
+            log.warning("dealer session with %s ended: %s", ch.peer, exc)
+            try:
+                ch.send_frame(KIND_OBJECT, pack({"op": "error", "message": str(exc)[:500]}))
+            except ChannelError:
+                pass
+        finally:
+            ch.close()
+
+    def _serve(self, ch: Channel) -> None:
+        hello = unpack(ch.recv_frame(KIND_OBJECT))
+        rank = hello.get("rank")
+        sid = hello.get("session")
+        if hello["op"] != "hello" or rank not in (0, 1) or not isinstance(sid, bytes) or len(sid) != 16:
+            raise correlations.RequestError("expected hello with a 16-byte session id and rank 0/1")
+        if ch.peer != tls.PARTY_NAMES[rank]:
+            raise correlations.RequestError(f"{ch.peer} may not act as rank {rank}")
+        with self._lock:
+            sess = self._sessions.setdefault(sid, _Session())
+            if rank in sess.handed:
+                raise correlations.RequestError(f"seed of rank {rank} already handed out for this session")
+            sess.handed.add(rank)
+        ch.send_frame(KIND_OBJECT, pack({"op": "seed", "seed": sess.seeds[rank]}))
+        if rank == 0:
+            return
+        s0, s1 = sess.seeds
+        try:
+            while True:
+                msg = unpack(ch.recv_frame(KIND_OBJECT))
+                if msg["op"] == "get":
+                    req = correlations.validate(msg["request"])
+                    ch.send_frame(KIND_TENSOR, _bytes(correlations.correction(req, s0, s1, int(msg["index"]))))
+                elif msg["op"] == "prefill":
+                    start = int(msg["start"])
+                    for k, raw in enumerate(msg["requests"]):
+                        req = correlations.validate(raw)
+                        ch.send_frame(KIND_TENSOR, _bytes(correlations.correction(req, s0, s1, start + k)))
+                elif msg["op"] == "bye":
+                    return
+                else:
+                    raise correlations.RequestError(f"unknown dealer op {msg['op']!r}")
+        finally:
+            with self._lock:
+                self._sessions.pop(sid, None)
+
+
+def _bytes(t) -> memoryview:
+    return memoryview(t.contiguous().numpy()).cast("B")
+
+
+class _OneShotListener:
+    """Adapter so Channel.accept can take an already-accepted socket."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+
+    def settimeout(self, t: float) -> None:
+        self._sock.settimeout(t)
+
+    def accept(self):
+        return self._sock, None
+
+
+class DealerLink:
+    """A server's side of the dealer protocol."""
+
+    def __init__(self, channel: Channel, rank: int, session: bytes):
+        self.channel = channel
+        self.rank = rank
+        channel.send_frame(KIND_OBJECT, pack({"op": "hello", "session": session, "rank": rank}))
+        reply = self._reply()
+        self.seed: bytes = reply["seed"]
+
+    def _reply(self) -> dict:
+        msg = unpack(self.channel.recv_frame(KIND_OBJECT))
+        if msg["op"] == "error":
+            raise correlations.RequestError(f"dealer refused: {msg.get('message')}")
+        return msg
+
+    def _tensor(self, shape):
+        import numpy as np
+        import torch
+
+        n = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+        buf = self.channel.recv_frame(KIND_TENSOR, 8 * n)
+        return torch.from_numpy(np.frombuffer(buf, dtype=np.int64)).reshape(shape)
+
+    def get(self, index: int, req: tuple):
+        self.channel.send_frame(KIND_OBJECT, pack({"op": "get", "index": index, "request": req}))
+        return self._tensor(correlations.correction_shape(req))
+
+    def prefill(self, start: int, reqs: list[tuple]) -> list:
+        out = []
+        for off in range(0, len(reqs), MAX_PREFILL):
+            chunk = reqs[off : off + MAX_PREFILL]
+            self.channel.send_frame(
+                KIND_OBJECT, pack({"op": "prefill", "start": start + off, "requests": chunk})
+            )
+            out.extend(self._tensor(correlations.correction_shape(r)) for r in chunk)
+        return out
+
+    def close(self) -> None:
+        try:
+            if self.rank == 1:
+                self.channel.send_frame(KIND_OBJECT, pack({"op": "bye"}))
+        except ChannelError:
+            pass
+        self.channel.close()

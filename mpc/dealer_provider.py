@@ -1,0 +1,104 @@
+"""CrypTen tuple provider backed by the dealer (``mpc.dealer``).
+
+CrypTen asks its provider for triples, squares, binary triples and random bits. Both
+servers make the same calls in the same order (the sizes never depend on data), so a
+running request index keeps them and the dealer in step. Party 0 derives everything
+from its seed; party 1 derives its free shares and takes the correction from the dealer,
+either per request (online fetch) or from a cache filled before the online phase
+(``prefill`` with a plan recorded in an earlier run). Every request is recorded, which
+is how such a plan is obtained.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import correlations
+from .crypten_compat import ArithmeticSharedTensor as AST
+from .crypten_compat import BinarySharedTensor as BST
+from .crypten_compat import TupleProviderBase
+from .dealer import DealerLink
+
+NAME = "STARFISH_DEALER"
+log = logging.getLogger("starfish.provider")
+
+
+class DealerProvider(TupleProviderBase):
+    NAME = NAME
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._link: DealerLink | None = None
+        self._rank = -1
+        self._seed = b""
+        self._index = 0
+        self._cache: dict[int, tuple[tuple, tuple[torch.Tensor, ...]]] = {}
+        self.recorded: list[tuple] = []
+        self.cache_misses = 0
+
+    def attach(self, rank: int, link: DealerLink) -> None:
+        self._link, self._rank, self._seed = link, rank, link.seed
+        self._index, self._cache, self.recorded, self.cache_misses = 0, {}, [], 0
+
+    def detach(self) -> None:
+        self._link = None
+
+    # ----------------------------------------------------------------- offline
+    def prefill(self, plan: list[tuple]) -> None:
+        """Fetch/derive the shares of the next ``len(plan)`` requests ahead of time."""
+        start = self._index
+        plan = [correlations.validate(r) for r in plan]
+        if self._rank == 0:
+            shares = [correlations.party0_shares(r, self._seed, start + k) for k, r in enumerate(plan)]
+        else:
+            corrs = self._require_link().prefill(start, plan)
+            shares = [correlations.party1_shares(r, self._seed, start + k, c)
+                      for k, (r, c) in enumerate(zip(plan, corrs))]
+        for k, (r, s) in enumerate(zip(plan, shares)):
+            self._cache[start + k] = (r, s)
+
+    # ------------------------------------------------------------------ online
+    def _require_link(self) -> DealerLink:
+        if self._link is None:
+            raise RuntimeError("dealer provider used outside a two-party session")
+        return self._link
+
+    def _shares(self, req: tuple) -> tuple[torch.Tensor, ...]:
+        self._require_link()
+        i = self._index
+        self._index += 1
+        self.recorded.append(req)
+        cached = self._cache.pop(i, None)
+        if cached is not None and cached[0] == req:
+            return cached[1]
+        if cached is not None:
+            # both parties see the same mismatch (same plan, same calls) and both derive
+            # afresh for index i, so they stay consistent; the dealer derives by index too.
+            self.cache_misses += 1
+            log.warning("dealer plan mismatch at request %d: planned %s, got %s", i, cached[0][:1], req[:1])
+        if self._rank == 0:
+            return correlations.party0_shares(req, self._seed, i)
+        corr = self._link.get(i, req)
+        return correlations.party1_shares(req, self._seed, i, corr)
+
+    def generate_additive_triple(self, size0, size1, op, device=None, *args, **kwargs):
+        a, b, c = self._shares(correlations.make_request("triple", size0, size1, op, *args, **kwargs))
+        return AST.from_shares(a, precision=0), AST.from_shares(b, precision=0), AST.from_shares(c, precision=0)
+
+    def square(self, size, device=None):
+        r, r2 = self._shares(correlations.make_request("square", size))
+        return AST.from_shares(r, precision=0), AST.from_shares(r2, precision=0)
+
+    def generate_binary_triple(self, size0, size1, device=None):
+        a, b, c = self._shares(correlations.make_request("binary_triple", size0, size1))
+        return BST.from_shares(a, precision=0), BST.from_shares(b, precision=0), BST.from_shares(c, precision=0)
+
+    def wrap_rng(self, size, device=None):
+        r, theta = self._shares(correlations.make_request("wrap_rng", size))
+        return AST.from_shares(r, precision=0), AST.from_shares(theta, precision=0)
+
+    def B2A_rng(self, size, device=None):
+        ra, rb = self._shares(correlations.make_request("b2a_rng", size))
+        return AST.from_shares(ra, precision=0), BST.from_shares(rb, precision=0)

@@ -1,0 +1,141 @@
+"""A two-party CrypTen session: TLS peer link, dealer link, communicator and provider.
+
+``open_party`` is what a server process (or a test party) calls to become party 0 or 1.
+CrypTen's ``crypten.init()`` is never called: it would start torch.distributed (gloo,
+no TLS). Instead we install our communicator and provider through ``crypten_compat``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import crypten_compat as cc
+from . import metering, tls
+from .channel import KIND_OBJECT, NO_LINK, Channel, LinkProfile
+from .communicator import TwoPartyCommunicator
+from .dealer import DealerLink
+from .dealer_provider import NAME as DEALER, DealerProvider
+from .encoding import DEFAULT_PRECISION
+
+TFP = "TFP"
+_provider = DealerProvider()
+cc.register_provider(DEALER, _provider)
+
+
+class InsecureProviderError(RuntimeError):
+    """TFP (party 0 knows every triple) requested without the explicit test-only flag."""
+
+
+@dataclass
+class Party:
+    """Handle passed to two-party programs: rank, metering, and share helpers."""
+
+    rank: int
+    channel: Channel
+    metering: metering.Meter
+    provider_name: str
+    dealer: DealerLink | None = None
+    extras: dict = field(default_factory=dict)
+
+    def meter(self, name: str):
+        """``with party.meter("TD"): ...`` attributes traffic and time to step ``name``."""
+        return self.metering.step(name)
+
+    def meters(self) -> dict:
+        return self.metering.as_dict()
+
+    @property
+    def recorded_plan(self) -> list[tuple]:
+        return list(_provider.recorded) if self.provider_name == DEALER else []
+
+    def prefill(self, plan: list[tuple]) -> None:
+        """Fetch the dealer material for ``plan`` now (offline phase), before computing."""
+        if self.provider_name != DEALER:
+            raise RuntimeError("prefill needs the dealer provider")
+        _provider.prefill(plan)
+
+    def wrap_share(self, share, precision: int = DEFAULT_PRECISION):
+        """This party's ring share (numpy int64 or torch long) as a CrypTen MPCTensor."""
+        t = torch.from_numpy(np.ascontiguousarray(share, dtype=np.int64)) if isinstance(share, np.ndarray) else share
+        if t.dtype != torch.long:
+            raise TypeError("a share must be int64 ring elements")
+        return cc.crypten.mpc.MPCTensor.from_shares(t, precision=precision)
+
+    def close(self) -> None:
+        if self.dealer is not None:
+            _provider.detach()
+            self.dealer.close()
+        self.channel.close()
+        TwoPartyCommunicator.shutdown()
+        metering.set_current(None)
+
+
+def open_party(
+    rank: int,
+    keys_dir: str | os.PathLike,
+    *,
+    peer_listener: socket.socket | None = None,
+    peer_address: tuple[str, int] | None = None,
+    dealer_address: tuple[str, int] | None = None,
+    provider: str = DEALER,
+    allow_insecure_tfp: bool = False,
+    link: LinkProfile = NO_LINK,
+    dealer_link: LinkProfile = NO_LINK,
+    timeout: float = 120.0,
+) -> Party:
+    """Join a two-party session as ``rank``; party 1 accepts, party 0 connects."""
+    if provider == TFP and not allow_insecure_tfp:
+        raise InsecureProviderError(
+            "the TFP provider lets party 0 know every triple; it is for unit tests only"
+        )
+    if provider not in (DEALER, TFP):
+        raise ValueError(f"unknown provider {provider!r}")
+    ident = tls.identity(keys_dir, tls.PARTY_NAMES[rank])
+    meter = metering.Meter()
+    metering.set_current(meter)
+    with meter.step("setup"):
+        if rank == 1:
+            if peer_listener is None:
+                raise ValueError("party 1 needs a listening socket")
+            ch = Channel.accept(peer_listener, tls.server_context(ident), tls.PARTY_NAMES[0],
+                                kind="online", meter=meter, link=link, timeout=timeout)
+        else:
+            if peer_address is None:
+                raise ValueError("party 0 needs the address of party 1")
+            ch = Channel.connect(peer_address, tls.client_context(ident), tls.PARTY_NAMES[1],
+                                 kind="online", meter=meter, link=link, timeout=timeout)
+        if rank == 0:
+            session_id = os.urandom(16)
+            ch.send_frame(KIND_OBJECT, session_id)
+        else:
+            session_id = bytes(ch.recv_frame(KIND_OBJECT, 16))
+
+        TwoPartyCommunicator.instance = TwoPartyCommunicator(rank, ch)
+        cc.install_communicator(TwoPartyCommunicator)
+        cc.seed_generators()
+
+        dealer = None
+        if provider == DEALER:
+            if dealer_address is None:
+                raise ValueError("the dealer provider needs the dealer's address")
+            dch = Channel.connect(dealer_address, tls.client_context(ident), tls.DEALER_NAME,
+                                  kind="offline", meter=meter, link=dealer_link, timeout=timeout)
+            dealer = DealerLink(dch, rank, session_id)
+            _provider.attach(rank, dealer)
+        cc.use_provider(provider)
+    return Party(rank, ch, meter, provider, dealer, {"session_id": session_id.hex()})
+
+
+@contextlib.contextmanager
+def party_session(rank: int, keys_dir, **kwargs):
+    party = open_party(rank, keys_dir, **kwargs)
+    try:
+        yield party
+    finally:
+        party.close()
