@@ -1,0 +1,58 @@
+"""Correlated randomness: the dealer's corrections make correct, hidden correlations."""
+
+import numpy as np
+import pytest
+import torch
+
+from mpc import correlations as C
+from mpc.prg import new_seed
+
+S0, S1 = new_seed(), new_seed()
+
+
+def _both(req, index=5):
+    p0 = C.party0_shares(req, S0, index)
+    p1 = C.party1_shares(req, S1, index, C.correction(req, S0, S1, index))
+    return p0, p1
+
+
+def test_arithmetic_triple_mul_and_matmul():
+    for req in (C.make_request("triple", (7,), (7,), "mul"),
+                C.make_request("triple", (3, 1), (1, 4), "mul"),
+                C.make_request("triple", (3, 5), (5, 2), "matmul")):
+        (a0, b0, c0), (a1, b1, c1) = _both(req)
+        a, b, c = a0 + a1, b0 + b1, c0 + c1
+        op = torch.mul if req[3] == "mul" else torch.matmul
+        assert torch.equal(c, op(a, b))
+
+
+def test_square_binary_triple_b2a_and_wraps():
+    (r0, s0), (r1, s1) = _both(C.make_request("square", (9,)))
+    assert torch.equal(s0 + s1, (r0 + r1) * (r0 + r1))
+    (a0, b0, c0), (a1, b1, c1) = _both(C.make_request("binary_triple", (6,), (6,)))
+    assert torch.equal(c0 ^ c1, (a0 ^ a1) & (b0 ^ b1))
+    (ra0, rb0), (ra1, rb1) = _both(C.make_request("b2a_rng", (1000,)))
+    bit = rb0 ^ rb1
+    assert set(bit.unique().tolist()) == {0, 1} and torch.equal(ra0 + ra1, bit)
+    (r0, t0), (r1, t1) = _both(C.make_request("wrap_rng", (1000,)))
+    exact = r0.numpy().astype(object) + r1.numpy().astype(object)
+    wraps = np.array([(v - ((v + 2**63) % 2**64 - 2**63)) // 2**64 for v in exact], dtype=np.int64)
+    assert np.array_equal((t0 + t1).numpy(), wraps)
+
+
+def test_streams_differ_between_requests_and_seeds():
+    req = C.make_request("triple", (64,), (64,), "mul")
+    assert not torch.equal(C.party0_shares(req, S0, 1)[0], C.party0_shares(req, S0, 2)[0])
+    assert not torch.equal(C.party0_shares(req, S0, 1)[0], C.party1_free_shares(req, S0, 1)[0]) or S0 != S1
+
+
+@pytest.mark.parametrize("bad", [
+    ["triple", [3], [3], "exec", [], []],
+    ["nonsense", [3]],
+    "triple",
+    ["square", [-1]],
+    ["square", [1 << 20, 1 << 20]],
+])
+def test_malformed_requests_are_rejected(bad):
+    with pytest.raises((C.RequestError, TypeError, ValueError)):
+        C.validate(bad)
