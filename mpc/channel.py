@@ -8,9 +8,11 @@ Design (DESIGN.md 4.2):
   encrypt/decrypt calls; socket I/O happens outside it.
 - Frames are ``kind (1 byte) | length (8 bytes, little endian) | payload``. Tensor
   payloads are written from and read into the tensor's own memory (no pickling).
-- Link emulation: a sender waits ``bytes / bandwidth`` before its bytes leave (the link
-  is busy), a receiver hands a frame over no earlier than ``latency`` after it arrived.
-  With ``tc netem`` unavailable this is what makes LAN/WAN runs meaningful.
+- Link emulation, applied by the receiver as a FIFO link: a frame whose first bytes
+  arrived at t is handed over at max(t, link free) + bytes/bandwidth + latency (and never
+  before it really arrived). Doing it on the receiving side lets the real transfer time
+  overlap the emulated one instead of adding to it. With ``tc netem`` unavailable this
+  is what makes LAN/WAN runs meaningful.
 - Failure: a closed or reset connection is reported as ``PeerDisconnected`` at once; a
   silent peer as ``PeerTimeout`` after ``timeout`` seconds. Nothing waits forever.
 """
@@ -112,7 +114,7 @@ class Channel:
         self._closed: _Closed | None = None
         self._round_open = False
         self._round_epoch = -1
-        self._link_free_at = 0.0
+        self._rx_link_free = 0.0
         self.wire_sent = 0
         self.wire_received = 0
         self._reader: threading.Thread | None = None
@@ -215,6 +217,7 @@ class Channel:
                 if not data:
                     raise PeerDisconnected("connection closed during the TLS handshake")
                 self.wire_received += len(data)
+                self._meter_wire(received=len(data))
                 self._in.write(data)
         self._flush_raw()
         if self._ssl.version() != "TLSv1.3":
@@ -237,12 +240,6 @@ class Channel:
         views = [memoryview(p).cast("B") for p in parts]
         length = sum(v.nbytes for v in views)
         self._check_open()
-        if self.link.bandwidth_bps > 0:
-            # the link carries our bytes one after another: wait while it is busy
-            now = time.monotonic()
-            start = max(now, self._link_free_at)
-            self._link_free_at = start + self.link.transfer_time(length + HEADER_BYTES)
-            time.sleep(max(0.0, self._link_free_at - now))
         with self._send_lock:
             self._write(memoryview(_HEADER.pack(kind, length)))
             for v in views:
@@ -289,13 +286,14 @@ class Channel:
                     self._in.write(raw_view[:n])
                     while True:
                         if filled == len(view) and payload is None:
+                            first_byte_at = time.monotonic()
                             kind, length = _HEADER.unpack(header)
                             if length > MAX_FRAME:
                                 raise ProtocolError(f"frame of {length} bytes exceeds the limit")
                             payload = bytearray(length)
                             view, filled = memoryview(payload), 0
                         if payload is not None and filled == len(view):
-                            self._frames.put((kind, payload, time.monotonic()))
+                            self._frames.put((kind, payload, first_byte_at, time.monotonic()))
                             payload, view, filled = None, memoryview(header), 0
                             continue
                         try:
@@ -326,9 +324,11 @@ class Channel:
             if isinstance(cause, ChannelError):
                 raise type(cause)(f"{self.label}: {cause}") from cause
             raise PeerDisconnected(f"{self.label}: connection lost: {cause!r}") from cause
-        kind, payload, arrived = item
-        if self.link.latency > 0:
-            wait = arrived + self.link.latency - time.monotonic()
+        kind, payload, first_byte_at, arrived = item
+        if self.link.latency > 0 or self.link.bandwidth_bps > 0:
+            done = max(first_byte_at, self._rx_link_free) + self.link.transfer_time(len(payload) + HEADER_BYTES)
+            self._rx_link_free = done
+            wait = max(done, arrived) + self.link.latency - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
         return kind, payload

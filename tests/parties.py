@@ -49,14 +49,19 @@ def multiply_batch(party, n):
 
 
 def exchange_rounds(party, k, nbytes_big):
-    """k sequential one-element reveals, then one large reveal."""
-    x = crypten.cryptensor(torch.ones(1), src=0)
+    """k sequential exchanges of one element, then one exchange of ``nbytes_big`` bytes."""
+    comm = crypten.communicator.get()
+    small = torch.ones(1, dtype=torch.long)
+    for _ in range(3):  # align the parties' clocks: each exchange shrinks their skew
+        comm.barrier()
     with party.meter("latency"):
         for _ in range(k):
-            x.get_plain_text()
-    big = crypten.cryptensor(torch.ones(nbytes_big // 8), src=0)
+            comm.all_reduce(small)
+    big = torch.ones(nbytes_big // 8, dtype=torch.long)
+    for _ in range(3):
+        comm.barrier()
     with party.meter("bandwidth"):
-        big.get_plain_text()
+        comm.all_reduce(big)
     return True
 
 
