@@ -85,7 +85,7 @@ def _t(a: np.ndarray) -> torch.Tensor:
 def _op_result_shape(req: tuple) -> tuple[int, ...]:
     _, size0, size1, op, extra, kwargs = req
     if op == "mul":  # the common case; meta tensors cost a second of warm-up on first use
-        return tuple(torch.broadcast_shapes(size0, size1))
+        return tuple(np.broadcast_shapes(size0, size1))
     a = torch.empty(size0, dtype=torch.long, device="meta")
     b = torch.empty(size1, dtype=torch.long, device="meta")
     return tuple(getattr(torch, op)(a, b, *extra, **dict(kwargs)).shape)
@@ -113,7 +113,7 @@ def party0_shares(req: tuple, seed0: bytes, index: int) -> tuple[torch.Tensor, .
     if kind == "square":
         return _t(g.ring(req[1])), _t(g.ring(req[1]))
     if kind == "binary_triple":
-        c_shape = torch.broadcast_shapes(req[1], req[2])
+        c_shape = np.broadcast_shapes(req[1], req[2])
         return _t(g.ring(req[1])), _t(g.ring(req[2])), _t(g.ring(tuple(c_shape)))
     if kind == "wrap_rng":
         return _t(g.ring(req[1])), _t(g.ring(req[1]))
@@ -176,5 +176,5 @@ def correction_shape(req: tuple) -> tuple[int, ...]:
     if req[0] == "triple":
         return _op_result_shape(req)
     if req[0] == "binary_triple":
-        return tuple(torch.broadcast_shapes(req[1], req[2]))
+        return tuple(np.broadcast_shapes(req[1], req[2]))
     return req[1]

@@ -1,0 +1,62 @@
+"""The `starfish` command. Subcommands import their modules lazily (torch is slow to load)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _keys_init(args: argparse.Namespace) -> int:
+    from mpc import tls
+
+    try:
+        names = tls.init_keys(args.dir, clients=args.clients)
+    except FileExistsError as exc:
+        print(f"starfish keys init: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote CA and certificates for {', '.join(names)} to {args.dir}")
+    print("private keys are mode 0600; give each participant only its own .key plus ca.pem")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="starfish",
+        description="Secure two-party federated unlearning (Starfish): runtime, demo, benchmarks.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    keys = sub.add_parser("keys", help="manage the deployment's certificates")
+    ksub = keys.add_subparsers(dest="keys_command", metavar="ACTION")
+    kinit = ksub.add_parser("init", help="write a CA and the certificates of server0, server1, dealer, admin")
+    kinit.add_argument("dir", help="directory to create (refuses to replace an existing CA)")
+    kinit.add_argument("--clients", type=int, default=0, help="also issue client-0..client-N-1 (default 0)")
+    kinit.set_defaults(func=_keys_init)
+
+    from starfish import demo
+
+    d = sub.add_parser("demo", help="two-party demonstration of the runtime (two processes + dealer)")
+    demo.add_arguments(d)
+    d.set_defaults(func=lambda a: demo.main(args=a))
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON + Markdown output)")
+    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    from bench import runtime
+
+    br = bsub.add_parser("runtime", help="N multiplications and comparisons: rounds, bytes, seconds")
+    runtime.add_arguments(br)
+    br.set_defaults(func=lambda a: runtime.main(args=a))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 0 if args.command is None else 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
