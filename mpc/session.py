@@ -62,7 +62,11 @@ class Party:
 
     def wrap_share(self, share, precision: int = DEFAULT_PRECISION):
         """This party's ring share (numpy int64 or torch long) as a CrypTen MPCTensor."""
-        t = torch.from_numpy(np.ascontiguousarray(share, dtype=np.int64)) if isinstance(share, np.ndarray) else share
+        if isinstance(share, np.ndarray):
+            # np.ascontiguousarray would turn a 0-d share (a norm) into shape (1,)
+            t = torch.from_numpy(np.array(share, dtype=np.int64, order="C", copy=True))
+        else:
+            t = share
         if t.dtype != torch.long:
             raise TypeError("a share must be int64 ring elements")
         return cc.crypten.mpc.MPCTensor.from_shares(t, precision=precision)
