@@ -84,11 +84,30 @@ def _t(a: np.ndarray) -> torch.Tensor:
 
 def _op_result_shape(req: tuple) -> tuple[int, ...]:
     _, size0, size1, op, extra, kwargs = req
-    if op == "mul":  # the common case; meta tensors cost a second of warm-up on first use
+    # mul and matmul by hand: torch's meta tensors cost a second of warm-up on first use
+    if op == "mul":
         return tuple(np.broadcast_shapes(size0, size1))
+    if op == "matmul":
+        return _matmul_shape(size0, size1)
     a = torch.empty(size0, dtype=torch.long, device="meta")
     b = torch.empty(size1, dtype=torch.long, device="meta")
     return tuple(getattr(torch, op)(a, b, *extra, **dict(kwargs)).shape)
+
+
+def _matmul_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """Result shape of torch.matmul(a, b) (1-D operands are promoted, then squeezed)."""
+    if not a or not b:
+        raise RequestError("matmul needs operands of at least one dimension")
+    a2 = (1, a[0]) if len(a) == 1 else a
+    b2 = (b[0], 1) if len(b) == 1 else b
+    if a2[-1] != b2[-2]:
+        raise RequestError(f"matmul shapes {a} and {b} do not match")
+    out = tuple(np.broadcast_shapes(a2[:-2], b2[:-2])) + (a2[-2], b2[-1])
+    if len(a) == 1:
+        out = out[:-2] + out[-1:]
+    if len(b) == 1:
+        out = out[:-1]
+    return out
 
 
 def _apply(req: tuple, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -186,7 +186,10 @@ def _await_port(ports: Any, who: str, timeout: float, procs: list) -> int:
             name, port = ports.get(timeout=0.2)
         except queue.Empty:
             if any(p.exitcode not in (None, 0) for p in procs):
-                raise PartyError(f"a process died before {who} was listening", {}) from None
+                raise PartyError(
+                    f"a process died before {who} was listening. If run_parties is called from a "
+                    "script, the call must sit under `if __name__ == \"__main__\":` (the parties "
+                    "re-import the main module)", {}) from None
             continue
         if name == who:
             return port

@@ -39,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(d)
     d.set_defaults(func=lambda a: demo.main(args=a))
 
+    from bench import lab
+
+    lp = sub.add_parser("lab", help="plaintext FL + unlearning comparison (retrain, FedEraser, FedRecover, "
+                                    "Starfish, random)")
+    lab.add_arguments(lp)
+    lp.set_defaults(func=lambda a: lab.run(a))
+
     bench = sub.add_parser("bench", help="benchmarks (JSON + Markdown output)")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     from bench import runtime
@@ -46,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     br = bsub.add_parser("runtime", help="N multiplications and comparisons: rounds, bytes, seconds")
     runtime.add_arguments(br)
     br.set_defaults(func=lambda a: runtime.main(args=a))
+    from bench import primitives
+
+    bp = bsub.add_parser("primitives", help="per primitive and size: rounds, online/offline bytes, seconds")
+    primitives.add_arguments(bp)
+    bp.set_defaults(func=lambda a: primitives.main(args=a))
     return parser
 
 

@@ -54,3 +54,11 @@ def test_fixed_point_decode_patch_is_needed_and_correct():
     patched = enc.decode(ring).double().numpy()
     assert abs(patched - decode(ring.numpy())).max() < 1e-3 * 2**-16 * 2**30  # float32 rounding only
     assert abs(patched[:5] - decode(ring.numpy())[:5]).max() < 1e-4
+
+
+def test_validation_mode_check_is_pinned_off():
+    import crypten.debug
+
+    from mpc import crypten_compat  # noqa: F401  (applies the patch)
+
+    assert crypten.debug.cfg.debug.validation_mode is False

@@ -56,3 +56,10 @@ def test_streams_differ_between_requests_and_seeds():
 def test_malformed_requests_are_rejected(bad):
     with pytest.raises((C.RequestError, TypeError, ValueError)):
         C.validate(bad)
+
+
+@pytest.mark.parametrize("s0,s1", [((3,), (3,)), ((2, 3), (3,)), ((3,), (3, 4)), ((5, 2, 3), (3, 4)),
+                                   ((1, 2, 3), (4, 3, 5)), ((2, 3), (3, 4))])
+def test_matmul_result_shape_matches_torch(s0, s1):
+    expected = torch.matmul(torch.zeros(s0), torch.zeros(s1)).shape
+    assert C.correction_shape(C.make_request("triple", s0, s1, "matmul")) == tuple(expected)

@@ -1,0 +1,275 @@
+"""Datasets for the plaintext FL lab: an embedded default and loaders for local files.
+
+Why this shape: the lab must run anywhere without a network (DESIGN.md 5), so the default
+is scikit-learn's handwritten digits, which ships inside the scikit-learn wheel. MNIST,
+Fashion-MNIST and CIFAR-10 are read from a directory the user names, in their original
+distribution formats (IDX files, CIFAR-10 "python version" pickles). Nothing downloads.
+
+Every loader returns a :class:`Dataset` with images as float32 tensors of shape
+(N, C, H, W) scaled to [0, 1] and int64 labels, so models and attacks (the backdoor
+trigger) see one layout.
+"""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = [
+    "Dataset",
+    "DatasetError",
+    "DATASET_NAMES",
+    "load_dataset",
+    "load_digits_dataset",
+    "load_idx_dataset",
+    "load_cifar10",
+    "read_idx",
+]
+
+DATASET_NAMES = ("digits", "mnist", "fmnist", "cifar10")
+
+
+class DatasetError(FileNotFoundError):
+    """A dataset directory is incomplete or a file is malformed (message names the file)."""
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Train/test images (N, C, H, W) in [0, 1] and int64 labels."""
+
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        c, h, w = self.x_train.shape[1:]
+        return int(c), int(h), int(w)
+
+    def subset_train(self, limit: int | None, seed: int = 0) -> Dataset:
+        """A seeded uniform random subset of the training split (for quick runs)."""
+        if limit is None or limit >= len(self.y_train):
+            return self
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.randperm(len(self.y_train), generator=g)[:limit].sort().values
+        return Dataset(self.name, self.x_train[idx], self.y_train[idx], self.x_test,
+                       self.y_test, self.num_classes)
+
+    def subset_test(self, limit: int | None, seed: int = 0) -> Dataset:
+        """A seeded uniform random subset of the test split."""
+        if limit is None or limit >= len(self.y_test):
+            return self
+        g = torch.Generator().manual_seed(seed + 1)
+        idx = torch.randperm(len(self.y_test), generator=g)[:limit].sort().values
+        return Dataset(self.name, self.x_train, self.y_train, self.x_test[idx],
+                       self.y_test[idx], self.num_classes)
+
+
+# --------------------------------------------------------------------------- digits
+
+def load_digits_dataset(test_fraction: float = 0.25, seed: int = 0) -> Dataset:
+    """scikit-learn's 8x8 digits (1797 images, 16 grey levels), split with a fixed seed.
+
+    The split is stratified by label so that the small test set (450 images) has every
+    class in proportion; a test error rate then moves in steps of 1/450.
+    """
+    from sklearn.datasets import load_digits  # noqa: PLC0415  (sklearn import is slow)
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(bunch.target, dtype=torch.int64)
+    rng = np.random.default_rng(seed)
+    test_idx: list[int] = []
+    for label in range(10):
+        members = np.flatnonzero(bunch.target == label)
+        rng.shuffle(members)
+        test_idx.extend(members[: round(test_fraction * len(members))].tolist())
+    test_mask = np.zeros(len(y), dtype=bool)
+    test_mask[test_idx] = True
+    tm = torch.from_numpy(test_mask)
+    return Dataset("digits", x[~tm], y[~tm], x[tm], y[tm], 10)
+
+
+# --------------------------------------------------------------------------- IDX (MNIST)
+
+_IDX_DTYPES = {
+    0x08: np.dtype(np.uint8),
+    0x09: np.dtype(np.int8),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """Parse one IDX file (optionally gzip-compressed) into a numpy array.
+
+    Format (LeCun's MNIST page): two zero bytes, a type byte, a dimension-count byte,
+    then one big-endian uint32 per dimension, then the data in C order.
+    """
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
+        raise DatasetError(f"{path}: not an IDX file (bad magic number)")
+    dtype = _IDX_DTYPES.get(raw[2])
+    if dtype is None:
+        raise DatasetError(f"{path}: unknown IDX element type 0x{raw[2]:02x}")
+    ndim = raw[3]
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DatasetError(f"{path}: truncated IDX header")
+    dims = struct.unpack(f">{ndim}I", raw[4:header])
+    count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    if len(raw) - header != count * dtype.itemsize:
+        raise DatasetError(
+            f"{path}: IDX body has {len(raw) - header} bytes, header promises "
+            f"{count * dtype.itemsize}"
+        )
+    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims)
+
+
+_IDX_FILES = {
+    "x_train": "train-images-idx3-ubyte",
+    "y_train": "train-labels-idx1-ubyte",
+    "x_test": "t10k-images-idx3-ubyte",
+    "y_test": "t10k-labels-idx1-ubyte",
+}
+
+
+def _find_file(directory: Path, name: str, what: str) -> Path:
+    """Locate ``name`` or ``name.gz`` in ``directory``; the error names what is missing."""
+    for candidate in (name, name + ".gz", name.replace("-idx", ".idx"),
+                      name.replace("-idx", ".idx") + ".gz"):
+        p = directory / candidate
+        if p.is_file():
+            return p
+    raise DatasetError(
+        f"{what}: missing file {name} (or {name}.gz) in {directory}. "
+        f"Nothing is downloaded; put the original distribution files there."
+    )
+
+
+def load_idx_dataset(directory: str | Path, name: str = "mnist") -> Dataset:
+    """MNIST or Fashion-MNIST from the four original IDX files in ``directory``.
+
+    Both datasets use the same file names, so ``name`` only labels the result.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise DatasetError(f"{name}: data directory {d} does not exist")
+    arrays = {key: read_idx(_find_file(d, fname, name)) for key, fname in _IDX_FILES.items()}
+    for split in ("train", "test"):
+        xs, ys = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if xs.ndim != 3 or ys.ndim != 1 or len(xs) != len(ys):
+            raise DatasetError(
+                f"{name}: {split} images {xs.shape} and labels {ys.shape} do not match"
+            )
+    def images(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a.astype(np.float32) / 255.0).unsqueeze(1)
+
+    def labels(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a.astype(np.int64))
+
+    return Dataset(name, images(arrays["x_train"]), labels(arrays["y_train"]),
+                   images(arrays["x_test"]), labels(arrays["y_test"]), 10)
+
+
+# --------------------------------------------------------------------------- CIFAR-10
+
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """Unpickler that only rebuilds numpy arrays, so a hostile file cannot run code.
+
+    The CIFAR-10 batches are Python pickles; ``pickle.load`` on a file from an arbitrary
+    directory would execute whatever callables the file names. We allow only the
+    constructors a pickled ndarray needs.
+    """
+
+    _ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("_codecs", "encode"),
+    }
+
+    def find_class(self, module: str, name: str):  # noqa: ANN201
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a data file")
+
+
+def _load_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    with path.open("rb") as fh:
+        try:
+            obj = _NumpyOnlyUnpickler(fh, encoding="bytes").load()
+        except (pickle.UnpicklingError, EOFError, ValueError) as exc:
+            raise DatasetError(f"{path}: not a CIFAR-10 python batch ({exc})") from exc
+    if not isinstance(obj, dict):
+        raise DatasetError(f"{path}: expected a dict, found {type(obj).__name__}")
+    data = obj.get(b"data", obj.get("data"))
+    labels = obj.get(b"labels", obj.get("labels"))
+    if data is None or labels is None:
+        raise DatasetError(f"{path}: missing 'data' or 'labels' entry")
+    data = np.asarray(data, dtype=np.uint8)
+    labels = np.asarray(labels, dtype=np.int64)
+    if data.ndim != 2 or data.shape[1] != 3072 or len(labels) != len(data):
+        raise DatasetError(f"{path}: data shape {data.shape} is not (N, 3072) with N labels")
+    return data, labels
+
+
+def load_cifar10(directory: str | Path) -> Dataset:
+    """CIFAR-10 from the python batches (data_batch_1..5, test_batch).
+
+    Accepts either the directory holding the batches or its parent containing
+    ``cifar-10-batches-py``. Rows are 1024 red, 1024 green, 1024 blue bytes (32x32, row-major).
+    """
+    d = Path(directory)
+    if (d / "cifar-10-batches-py").is_dir():
+        d = d / "cifar-10-batches-py"
+    if not d.is_dir():
+        raise DatasetError(f"cifar10: data directory {d} does not exist")
+    names = [f"data_batch_{k}" for k in range(1, 6)]
+    for n in [*names, "test_batch"]:
+        if not (d / n).is_file():
+            raise DatasetError(
+                f"cifar10: missing file {n} in {d}. Nothing is downloaded; put the "
+                f"CIFAR-10 python batches there."
+            )
+    train = [_load_cifar_batch(d / n) for n in names]
+    xs = np.concatenate([t[0] for t in train])
+    ys = np.concatenate([t[1] for t in train])
+    xt, yt = _load_cifar_batch(d / "test_batch")
+
+    def images(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a.reshape(-1, 3, 32, 32).astype(np.float32) / 255.0)
+
+    return Dataset("cifar10", images(xs), torch.from_numpy(ys), images(xt),
+                   torch.from_numpy(yt), 10)
+
+
+# --------------------------------------------------------------------------- dispatch
+
+def load_dataset(name: str, data_dir: str | Path | None = None) -> Dataset:
+    """Load ``name`` (one of DATASET_NAMES); file-based datasets need ``data_dir``."""
+    if name == "digits":
+        return load_digits_dataset()
+    if name not in DATASET_NAMES:
+        raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
+    if data_dir is None:
+        raise DatasetError(f"{name}: --data-dir is required (nothing is downloaded)")
+    if name in ("mnist", "fmnist"):
+        return load_idx_dataset(data_dir, name)
+    return load_cifar10(data_dir)

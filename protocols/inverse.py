@@ -1,0 +1,238 @@
+"""SecMI: inverse of a secret-shared square matrix, two ways. Batched over ``(..., k, k)``.
+
+``inverse_masked`` -- the paper's Algorithm 7 (mask, open, invert publicly, unmask)
+-----------------------------------------------------------------------------------
+1. ``[R]``: a random matrix that neither server knows. Each server draws its own matrix ``R_i``
+   with entries uniform in ``[-mask_scale, mask_scale]`` from the OS CSPRNG (``os.urandom``) and
+   contributes it as its additive share, so ``R = R_0 + R_1`` (no communication; the dealer is
+   not involved in this first version). A real random matrix is invertible with probability 1.
+2. ``N = open([A] @ [R])``: one Beaver matrix-multiplication round and one opening round. We
+   open the *untruncated* ring product ``A_enc R_enc`` (scale ``2**-32``), so ``N`` is exact for
+   the encoded ``A`` and ``R`` (the truncation noise it would otherwise carry hid nothing).
+3. ``N^-1`` in float64 by both servers; ``[A^-1] = [R] @ N^-1``: local (public right factor),
+   with ``N^-1`` split into three 12-bit limbs per matrix so that it keeps 36 significant bits
+   while every ring product stays far below the two-party truncation failure zone.
+
+Rounds: 2 (multiplication + opening), ``~3 k^2`` ring elements each way per matrix
+(the paper's ``6 m^2 l_q`` bits total), plus 2 per retry pass: a matrix whose ``N`` is
+numerically singular (``cond(N) > max_cond``, default ``1e8``: an unlucky mask or a singular
+``A``) is re-masked, up to ``retries`` times, which opens one more ``A R'`` for it. For
+invertible ``A`` retries are rare (the mask alone has ``cond(R) > t`` with probability
+about ``k / t``).
+
+What it reveals (fixed-point reals, unlike the paper's field version). Over a finite field
+with ``R`` uniform on GL_k(F_q), ``N = A R`` is independent of ``A``. Over the reals with a
+*bounded* mask distribution it is not:
+
+* scale: every entry of ``N`` is a combination of ``A``'s rows with weights of known
+  distribution, so ``||N||`` reveals ``||A||`` up to a random factor of known law (e.g.
+  ``E ||N||_F^2 = ||A||_F^2 * k * E[r^2]``); tiny and huge ``A`` are distinguishable;
+* determinant and conditioning: ``|det N| = |det A| |det R|`` and the singular values of ``N``
+  are those of ``A`` mixed by ``R``, so ``log|det A|`` leaks up to the spread of
+  ``log|det R|``, and an ill-conditioned ``A`` gives a visibly ill-conditioned ``N``;
+* structure: the column space of ``N`` equals that of ``A``; a singular ``A`` reveals its left
+  null space exactly (``y^T A = 0  =>  y^T N = 0``);
+* retries: which matrices needed a fresh mask is visible (a function of the opened ``N``), and
+  each retry opens another ``A R'``, i.e. one more sample of the above.
+
+What stays hidden: the individual entries of ``A`` beyond these norms/spectral summaries (each
+row of ``N`` is the row of ``A`` rotated/scaled by the same unknown ``R``).
+Use :func:`inverse_newton` when this is not acceptable.
+
+Precision: exact ``N`` and a 36-bit ``N^-1`` leave the output's own grid as the error: a few
+units of ``2**-16`` per entry of ``A^-1`` (measured: relative error ~3e-5 median, 1.2e-4 max
+over 6250 random 4 x 4 matrices, against the inverse of the *encoded* ``A``; relative to the
+real ``A`` add ``cond(A) * 2**-16``, the encoding error of the input). Range:
+``|A| * mask_scale * k < 2**29`` (the opened ring product must not wrap). ``refine`` Newton
+steps (2 rounds each, nothing revealed) are available but rarely needed.
+
+``inverse_newton`` -- Newton-Schulz iteration, reveals nothing
+---------------------------------------------------------------
+``X_0 = alpha A^T``, ``X <- X (2I - A X)``. It converges (quadratically in the end) iff
+``0 < alpha < 2 / sigma_max(A)^2``. Without a public ``scale`` we compute alpha securely:
+``f = ||A||_F^2 >= sigma_max^2`` (one square round), then the power of two
+``alpha = 2**-(floor(log2 f) + 1)`` in ``(1/(2f), 1/f]`` from one batched comparison of ``f``
+against the public constants ``2**-16 .. 2**15`` (alpha = ``2**16 - sum_j [f >= 2**j] 2**-(j+1)``,
+a public linear combination of the comparison bits, applied to ``A^T`` with one
+multiplication round). Nothing is opened. With ``scale`` (a public upper bound on
+``sigma_max(A)^2``, e.g. a bound on ``||A||_F^2``), ``alpha = 1/scale`` and the setup is local.
+
+Rounds: setup 1 square + 1 comparison + 1 multiplication (or 0 with ``scale``), then 2
+matrix-multiplication rounds per iteration. The initial residual is at most
+``1 - 1/(2 k cond(A)^2)``; ``iters`` iterations reach ``2**-20`` when
+``2**iters >= 28 k cond(A)^2``. Default ``iters = ceil(log2(28 k)) + 20`` covers
+``cond(A) <= 1000``. Range without ``scale``: ``2**-16 <= ||A||_F^2 < 2**16`` (outside it the
+inverse's entries are not representable to useful precision at 16 fractional bits).
+
+Plaintext twins: ``inverse_masked`` returns ``torch.linalg.inv`` (float64); ``inverse_newton``
+runs the same iteration (same alpha rule, same ``iters``) in float64.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+from mpc.crypten_compat import crypten
+
+from . import backend as B
+from .backend import Tensor
+from .compare import ge
+
+__all__ = ["inverse_masked", "inverse_newton", "default_newton_iters"]
+
+_ALPHA_EXPONENTS = torch.arange(-16, 16, dtype=torch.float64)  # j in f >= 2**j tests
+
+
+def _csprng_uniform(shape: tuple, bound: float) -> torch.Tensor:
+    """Uniform in [-bound, bound) from os.urandom (53 random bits per entry)."""
+    numel = math.prod(shape)
+    raw = torch.frombuffer(bytearray(os.urandom(8 * numel)), dtype=torch.int64).clone()
+    u = (raw >> 11).to(torch.float64) * (2.0 ** -53)
+    return ((2.0 * u - 1.0) * bound).reshape(shape)
+
+
+def _shared_random_matrix(shape: tuple, bound: float) -> Tensor:
+    """``[R]`` with ``R = R_0 + R_1``; party i knows only ``R_i`` (its own CSPRNG draw)."""
+    rank = crypten.comm.get().get_rank()
+    own = _csprng_uniform(shape, bound)
+    zeros = torch.zeros(shape, dtype=torch.float64)
+    r0 = crypten.cryptensor(own if rank == 0 else zeros, src=0)
+    r1 = crypten.cryptensor(own if rank == 1 else zeros, src=1)
+    return r0 + r1
+
+
+def _times_public_matrix(x: Tensor, p: torch.Tensor, limbs: int = 3, limb_bits: int = 12
+                         ) -> Tensor:
+    """``[x] @ P`` for public float64 ``P`` (..., k, k) with ``limbs * limb_bits`` significant
+    bits of each matrix ``P``; local.
+
+    CrypTen would encode ``P`` on the fixed ``2**-16`` grid, losing small inverses. We split
+    each matrix into limbs of ``limb_bits``-bit integers at a per-matrix exponent and multiply
+    each limb exactly in the ring, then truncate each partial product once. Small limbs keep
+    the ring values far below ``2**63``, where two-party truncation by local share division
+    would otherwise fail with probability ``|ring value| / 2**63`` (a single 36-bit factor
+    times a mask entry of 17 bits would make that ~2**-8 per entry).
+    """
+    peak = p.abs().amax(dim=(-1, -2), keepdim=True)
+    e = B.public_exponent(peak, lo=0, hi=40) - (16 - limb_bits)  # max |limb 0| <= 2**limb_bits
+    e = e.clamp(min=0)
+    residual = p
+    out = None
+    for i in range(limbs):
+        ei = e + i * limb_bits
+        part = torch.round(residual * torch.pow(2.0, ei))
+        residual = residual - part * torch.pow(2.0, -ei)
+        # scale-1 view: CrypTen multiplies the ring integers by the integer limb as they are
+        term = B.relabel(B.relabel(x, 0).matmul(part.to(torch.long)), B.frac_bits())
+        term = term.div(torch.pow(2, ei).to(torch.long).expand(tuple(term.shape)).contiguous())
+        out = term if out is None else out + term
+    return out
+
+
+def _open_product(a: Tensor, r: Tensor) -> torch.Tensor:
+    """Open ``N = A R`` exactly: the untruncated ring product ``A_enc R_enc`` (scale 2**-32).
+
+    Opening the product before truncation costs nothing extra and removes the truncation
+    noise (which hid nothing: ``N`` is opened anyway), so ``N`` is exact for the encoded A, R.
+    """
+    raw = B.raw_matmul(a, r)
+    return raw.reveal().to(torch.float64) / float(B.scale()) ** 2
+
+
+def inverse_masked(a: Tensor, mask_scale: float = 1.0, refine: int = 0,
+                   max_cond: float = 1e8, retries: int = 3) -> Tensor:
+    """SecMI by masking (Algorithm 7); see the module docstring for what ``N = A R`` reveals.
+
+    ``refine`` Newton-Schulz steps (2 multiplication rounds each, reveal nothing) square the
+    relative error each; rarely needed since ``N`` is opened exactly.
+    Matrices whose opened ``N`` is numerically singular (``cond(N) > max_cond``: an unlucky
+    mask, or a singular ``A``) get a fresh mask, up to ``retries`` times (2 rounds per retry
+    pass, batched); each retry opens one more masked product of that matrix, and which
+    matrices were retried is visible to both servers (it is a function of the opened ``N``).
+    """
+    if not B.is_shared(a):
+        a = torch.as_tensor(a)
+        return torch.linalg.inv(a.to(torch.float64)).to(B.float_dtype(a))
+    shape = tuple(a.shape)
+    if len(shape) < 2 or shape[-1] != shape[-2]:
+        raise ValueError(f"inverse needs square matrices (..., k, k), got {shape}")
+    k = shape[-1]
+    flat = a.reshape(-1, k, k)
+    r = _shared_random_matrix(tuple(flat.shape), mask_scale)
+    n_pub = _open_product(flat, r)
+    for _ in range(retries):
+        bad = torch.nonzero(torch.linalg.cond(n_pub) > max_cond).flatten()
+        if bad.numel() == 0:
+            break
+        r_new = _shared_random_matrix((bad.numel(), k, k), mask_scale)
+        n_new = _open_product(flat[bad], r_new)
+        r[bad] = r_new
+        n_pub[bad] = n_new
+    n_inv = torch.linalg.inv(n_pub)
+    x = _times_public_matrix(r, n_inv)
+    eye2 = 2.0 * torch.eye(k, dtype=torch.float64)
+    for _ in range(refine):
+        x = x.matmul((-flat.matmul(x)) + eye2)
+    return x.reshape(shape)
+
+
+def default_newton_iters(k: int) -> int:
+    """Iterations reaching a ``2**-20`` residual for ``cond(A) <= 1000`` (see docstring)."""
+    return math.ceil(math.log2(28 * k)) + 20
+
+
+def _transpose(a: Tensor) -> Tensor:
+    return a.transpose(-1, -2)
+
+
+def _alpha_plain(a: torch.Tensor) -> torch.Tensor:
+    f = (a * a).sum((-1, -2))
+    bits = (f.unsqueeze(-1) >= torch.pow(2.0, _ALPHA_EXPONENTS)).to(torch.float64)
+    coeff = torch.pow(2.0, -(_ALPHA_EXPONENTS + 1))
+    return 2.0 ** 16 - (bits * coeff).sum(-1)
+
+
+def _initial_guess_shared(a: Tensor) -> Tensor:
+    f = B.truncate_raw(B.raw_square(a).sum((-1, -2)))
+    thresholds = torch.pow(2.0, _ALPHA_EXPONENTS)
+    bits = ge(f.unsqueeze(-1), thresholds)  # (..., J), one comparison round
+    # alpha's ring integer 2**32 - sum_j bit_j 2**(15-j): the bits are scale-1 ring integers,
+    # so multiplying them by integer weights is exact and local.
+    weights = torch.pow(2.0, 15 - _ALPHA_EXPONENTS).to(torch.long)
+    alpha_ring = -(bits * weights).sum(-1) + (1 << 32)
+    alpha = B.relabel(alpha_ring, B.frac_bits())
+    return _transpose(a) * alpha.unsqueeze(-1).unsqueeze(-1)  # one Beaver round
+
+
+def inverse_newton(a: Tensor, iters: Optional[int] = None, scale: Optional[float] = None
+                   ) -> Tensor:
+    """SecMI by Newton-Schulz iteration; reveals nothing (see the module docstring)."""
+    shape = tuple(a.shape)
+    if len(shape) < 2 or shape[-1] != shape[-2]:
+        raise ValueError(f"inverse needs square matrices (..., k, k), got {shape}")
+    k = shape[-1]
+    iters = default_newton_iters(k) if iters is None else int(iters)
+    if not B.is_shared(a):
+        a = torch.as_tensor(a)
+        out_dtype = B.float_dtype(a)
+        a = a.to(torch.float64)
+        if scale is not None:
+            x = _transpose(a) / float(scale)
+        else:
+            x = _transpose(a) * _alpha_plain(a)[..., None, None]
+        eye2 = 2.0 * torch.eye(k, dtype=torch.float64)
+        for _ in range(iters):
+            x = x @ (eye2 - a @ x)
+        return x.to(out_dtype)
+    if scale is not None:
+        x = _transpose(a) * (1.0 / float(scale))
+    else:
+        x = _initial_guess_shared(a)
+    eye2 = 2.0 * torch.eye(k, dtype=torch.float64)
+    for _ in range(iters):
+        x = x.matmul((-a.matmul(x)) + eye2)
+    return x

@@ -1,0 +1,53 @@
+"""Small helpers for the Starfish sub-protocols on top of :mod:`protocols.backend`.
+
+Why: a few spellings differ between torch tensors and CrypTen tensors. Stacking,
+revealing and the "is it shared?" test come from ``protocols.backend``; this module
+adds the two linear-algebra idioms the sub-protocols need (a public matrix on the
+*left* of a shared one, and float64 for plaintext arithmetic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from protocols import backend as _B
+
+__all__ = ["is_secret", "stack", "reveal", "to_compute", "lmatmul", "transpose", "weighted_sum"]
+
+is_secret = _B.is_shared
+stack = _B.stack
+reveal = _B.reveal
+
+
+def to_compute(x: Any, dtype: torch.dtype = torch.float64) -> Any:
+    """Plaintext values are computed in float64; shared values keep their encoding."""
+    return x if is_secret(x) else torch.as_tensor(x).to(dtype)
+
+
+def transpose(x: Any) -> Any:
+    """Swap the last two dimensions (torch and CrypTen spell it the same)."""
+    return x.transpose(-1, -2)
+
+
+def lmatmul(public: torch.Tensor, x: Any) -> Any:
+    """``public @ x`` for a public left factor and a possibly-shared right factor.
+
+    CrypTen tensors implement matmul with themselves on the left only, so the product is
+    formed as (x^T public^T)^T, which is local (no communication) for shared x.
+    """
+    if not is_secret(x):
+        return torch.matmul(public.to(x.dtype), x)
+    return transpose(transpose(x).matmul(transpose(public)))
+
+
+def weighted_sum(values: Sequence[Any], weights: Sequence[float]) -> Any:
+    """sum_k w_k x_k with public weights (local for shared x)."""
+    if len(values) != len(weights) or not values:
+        raise ValueError("need one weight per value")
+    out = values[0] * float(weights[0])
+    for x, w in zip(values[1:], weights[1:]):
+        out = out + x * float(w)
+    return out

@@ -1,0 +1,116 @@
+"""Update estimation (SecUE): FedRecover's estimate with the compact L-BFGS product.
+
+For a remaining client j whose stored update g^j was computed on the historical model M,
+the update it would send on the recovered model M_hat is estimated by the Cauchy mean
+value theorem as
+
+    g_hat^j = g^j + H^j (M_hat - M),
+
+where H^j approximates client j's (integrated) Hessian from the last B pairs
+s_k = M_hat_k - M_k (public) and y_k^j = gbar_k^j - g_k^j (shared: gbar is the exact
+update client j recomputed on M_hat_k). With S = [s_1..s_B] (m x B) and Y = [y_1..y_B]
+the compact representation of Byrd, Nocedal and Schnabel (1994, Thm 2.3) gives
+
+    H v = sigma v - [sigma S, Y] W^{-1} [sigma S^T v ; Y^T v],
+    W   = [[sigma S^T S, L], [L^T, -D]],
+    L   = strictly lower triangle of S^T Y,  D = diag(S^T Y),
+    sigma = (y_B^T s_B) / (s_B^T s_B).
+
+Why compact: the paper's Alg. 2 forms and inverts m x m matrices; here the only inverse
+is of the 2B x 2B matrix W (SecMI on 4x4 for B = 2) and never an m x m matrix is formed.
+S^T S, S^T v and products of S with anything are public-times-shared, i.e. local; the
+shared-times-shared products are S^T Y-free: sigma * (m-vector) and Y z (m x B by B).
+
+All functions are batched over leading dimensions (one row per client), so the 2PC run
+does each step for all n-1 clients in the same communication rounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .backend import is_secret, lmatmul, transpose
+
+__all__ = ["compact_hvp", "estimate_updates", "default_inverse"]
+
+Inverse = Callable[[Any], Any]
+
+
+def default_inverse() -> Inverse:
+    """``protocols.inverse.inverse_masked`` (plaintext: an ordinary inverse)."""
+    from protocols.inverse import inverse_masked  # noqa: PLC0415
+
+    return inverse_masked
+
+
+def _placements(b: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """E1 = [I; 0], E2 = [0; I] (2B x B): place B-blocks into 2B-space with matmuls only."""
+    eye = torch.eye(b, dtype=dtype)
+    zero = torch.zeros(b, b, dtype=dtype)
+    return torch.cat([eye, zero]), torch.cat([zero, eye])
+
+
+def compact_hvp(S: torch.Tensor, Y: Any, v: torch.Tensor, inverse: Inverse | None = None) -> Any:
+    """H v for the BFGS matrix defined by the pairs (S, Y); see the module docstring.
+
+    Shapes: ``S`` (..., m, B) public, ``Y`` (..., m, B) shared or plain, ``v`` (..., m)
+    or (m,) public. Returns (..., m), shared iff Y is. Columns are oldest first, so the
+    last column is the most recent pair (the one sigma is taken from).
+    """
+    inverse = inverse or default_inverse()
+    secret = is_secret(Y)
+    dtype = torch.float64 if not secret else torch.float32
+    S = S.to(dtype)
+    if not secret:
+        Y = torch.as_tensor(Y).to(dtype)
+    b = S.shape[-1]
+    lead = tuple(S.shape[:-2])
+    vcol = v.to(dtype).reshape(*(v.shape[:-1] or ()), -1, 1).expand(*lead, S.shape[-2], 1)
+    e1, e2 = _placements(b, dtype)
+
+    sts = transpose(S) @ S                                   # (..., B, B) public
+    sty = transpose(transpose(Y).matmul(S))                  # S^T Y, local (public x shared)
+    strict_lower = torch.tril(torch.ones(b, b, dtype=dtype), diagonal=-1)
+    L = sty * strict_lower
+    D = sty * torch.eye(b, dtype=dtype)
+    last = torch.zeros(b, b, dtype=dtype)
+    last[b - 1, b - 1] = 1.0
+    # sigma = y_B^T s_B / s_B^T s_B : shared numerator over a public denominator
+    ys_last = (sty * last).sum(-1).sum(-1)                   # (...,)
+    ss_last = sts[..., b - 1, b - 1]
+    sigma = (ys_last * (1.0 / ss_last)).unsqueeze(-1).unsqueeze(-1)   # (..., 1, 1)
+
+    W = (lmatmul(e1, (sigma * sts).matmul(e1.T))
+         + lmatmul(e1, L.matmul(e2.T))
+         + lmatmul(e2, transpose(L).matmul(e1.T))
+         - lmatmul(e2, D.matmul(e2.T)))                      # (..., 2B, 2B)
+    w_inv = inverse(W)
+
+    stv = transpose(S) @ vcol                                # (..., B, 1) public
+    ytv = transpose(Y).matmul(vcol)                          # (..., B, 1)
+    q = lmatmul(e1, sigma * stv) + lmatmul(e2, ytv)          # (..., 2B, 1)
+    z = w_inv.matmul(q)
+    z1 = lmatmul(e1.T, z)                                    # (..., B, 1)
+    z2 = lmatmul(e2.T, z)
+    # H v = sigma v - sigma (S z1) - Y z2; shared operands stay on the left of every
+    # operator (torch tensors do not know how to combine with CrypTen tensors).
+    hv = sigma * vcol - sigma * lmatmul(S, z1) - Y.matmul(z2)
+    return hv.squeeze(-1)
+
+
+def estimate_updates(stored: Any, model_diff: torch.Tensor, S: torch.Tensor, Y: Any,
+                     inverse: Inverse | None = None) -> Any:
+    """g_hat = g + H (M_hat - M) for every client row.
+
+    ``stored``: (n, m) the stored updates g^j of the round being replayed;
+    ``model_diff``: (m,) public M_hat - M_{t-1}; ``S``, ``Y``: (n, m, B) per-client pairs.
+    """
+    hv = compact_hvp(S, Y, model_diff, inverse)
+    if is_secret(hv):
+        return hv + stored
+    if is_secret(stored):
+        return stored + hv
+    return torch.as_tensor(stored).to(hv.dtype) + hv

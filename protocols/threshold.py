@@ -1,0 +1,48 @@
+"""Core of SecTC: does any coordinate of a row reach its threshold?
+
+For each row ``r`` (last dimension = coordinates) ``any_exceeds`` answers
+``exists k: x[r, k]**2 >= d[r]**2``, i.e. ``|x| >= |d|`` without square roots, and opens only
+that one bit per row.
+
+2PC steps: one square-tuple round squaring ``x`` and ``d`` together (untruncated, so the test
+is exact on the fixed-point encodings: ``x_enc**2 >= d_enc**2``), one comparison round for all
+coordinate flags, a local sum of the flags per row, one comparison ``sum >= 1`` per row, and one
+opening of those per-row bits. Two comparison rounds, as the paper's SecTC. Reveals exactly the
+per-row OR (the correction flag of Algorithm 3); never the coordinate flags, their count, or
+the magnitudes. Range: ``|x|, |d| < 2**15`` (the squares and their difference must fit the
+ring untruncated) and fewer than ``2**62`` coordinates per row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import backend as B
+from .backend import Tensor
+from .compare import ge
+
+__all__ = ["any_exceeds"]
+
+
+def any_exceeds(x: Tensor, d: Tensor) -> torch.Tensor:
+    """Public bool tensor of shape ``x.shape[:-1]``: whether any ``x[..., k]**2 >= d**2``.
+
+    ``d`` has shape ``x.shape[:-1]`` (one threshold per row) or broadcasts to it.
+    """
+    if not B.any_shared(x, d):
+        x = torch.as_tensor(x, dtype=torch.float64)
+        d = torch.as_tensor(d, dtype=torch.float64)
+        return (x * x >= (d * d).unsqueeze(-1)).any(dim=-1)
+    if not B.is_shared(d):
+        d = torch.as_tensor(d, dtype=torch.float64)
+    rows = tuple(x.shape[:-1])
+    if tuple(d.shape) != rows:
+        d = d.expand(rows) if B.is_shared(d) else torch.as_tensor(d).expand(rows)
+    # A public side is shared for free (no communication) so that x and d are squared in
+    # the same round: d rides along as an extra coordinate of each row.
+    sq = B.raw_square(B.cat([B.to_shared_like(x), B.to_shared_like(d).unsqueeze(-1)], dim=-1))
+    x2 = sq[..., :-1]
+    d2 = sq[..., -1:]
+    flags = ge(x2, d2)
+    count = flags.sum(-1)
+    return B.reveal(ge(count, 1)).to(torch.bool)

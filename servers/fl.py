@@ -1,0 +1,134 @@
+"""The plaintext FedAvg coordinator (Stage I of DESIGN.md 3) that records a History.
+
+Why the coordinator does not import ``clients``: in the real system a server talks to
+clients over the network; here a client is anything with the :class:`Participant`
+shape (``clients.training.LocalClient`` is one). The recovery methods use the same shape
+to ask remaining clients for exact updates, so costs can be counted in one place.
+
+Progress: ``run_federated`` calls ``progress(done, total, info)`` after every round; the
+default writes one updating line to stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+import torch
+
+from .history import History, InMemoryHistory, RoundRecord
+
+__all__ = [
+    "UpdateLike",
+    "Participant",
+    "ProgressFn",
+    "stderr_progress",
+    "fedavg_weights",
+    "aggregate",
+    "run_federated",
+]
+
+
+class UpdateLike(Protocol):
+    """A client's upload: update g, ||g||, delta, and its data size."""
+
+    update: torch.Tensor
+    norm: float
+    delta: float
+    num_samples: int
+
+
+class Participant(Protocol):
+    """A client the coordinator (and the recovery methods) can ask for an exact update."""
+
+    client_id: int
+
+    @property
+    def num_samples(self) -> int: ...
+
+    def train(self, model_vec: torch.Tensor, round_idx: int,
+              epochs: float | None = None) -> UpdateLike: ...
+
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+def stderr_progress(prefix: str) -> ProgressFn:
+    """A progress callback printing ``prefix [done/total] info`` to stderr.
+
+    On a terminal the line is rewritten in place; in a log file (not a TTY) only about
+    ten lines per run are written, so logs stay readable.
+    """
+    start = time.perf_counter()
+    tty = sys.stderr.isatty()
+
+    def report(done: int, total: int, info: str = "") -> None:
+        elapsed = time.perf_counter() - start
+        line = f"{prefix} [{done}/{total}] {info} ({elapsed:.1f}s)"
+        if tty:
+            end = "\n" if done >= total else ""
+            sys.stderr.write(f"\r{line}\x1b[K{end}")
+        elif done >= total or done % max(1, total // 10) == 0:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    return report
+
+
+def fedavg_weights(sizes: dict[int, int]) -> dict[int, float]:
+    """w_j = |D_j| / sum_k |D_k| over the given clients."""
+    total = float(sum(sizes.values()))
+    if total <= 0:
+        raise ValueError("participants hold no data")
+    return {j: n / total for j, n in sizes.items()}
+
+
+def aggregate(updates: dict[int, torch.Tensor], weights: dict[int, float]) -> torch.Tensor:
+    """sum_j w_j g_j in a fixed client order (so results are reproducible bit for bit)."""
+    out: torch.Tensor | None = None
+    for j in sorted(updates):
+        term = updates[j] * weights[j]
+        out = term if out is None else out + term
+    if out is None:
+        raise ValueError("no updates to aggregate")
+    return out
+
+
+def run_federated(participants: Sequence[Participant], initial_model: torch.Tensor,
+                  rounds: int, server_lr: float, *, exclude: Iterable[int] = (),
+                  history: History | None = None,
+                  progress: ProgressFn | None = None) -> History:
+    """Run ``rounds`` of FedAvg over all participants not in ``exclude``.
+
+    Every round each participant trains on M_{i-1}; the server sets
+    M_i = M_{i-1} - server_lr * sum_j w_j g_i^j and records the round. Determinism comes
+    from the participants (per-(client, round) seeds), not from this loop.
+    """
+    excluded = set(exclude)
+    active = sorted((p for p in participants if p.client_id not in excluded),
+                    key=lambda p: p.client_id)
+    if not active:
+        raise ValueError("no participants left")
+    hist = history if history is not None else InMemoryHistory(initial_model, server_lr)
+    if hist.num_rounds != 0:
+        raise ValueError("run_federated starts from an empty history")
+    weights = fedavg_weights({p.client_id: p.num_samples for p in active})
+    model = initial_model.detach().clone().reshape(-1)
+    for i in range(1, rounds + 1):
+        ups = {p.client_id: p.train(model, i) for p in active}
+        g = {j: u.update for j, u in ups.items()}
+        step = server_lr * aggregate(g, weights)
+        model = model - step
+        hist.append_round(RoundRecord(
+            model=model,
+            participants=tuple(sorted(ups)),
+            weights=weights,
+            updates=g,
+            norms={j: torch.tensor(u.norm, dtype=torch.float64) for j, u in ups.items()},
+            deltas={j: torch.tensor(u.delta, dtype=torch.float64) for j, u in ups.items()},
+        ))
+        if progress is not None:
+            progress(i, rounds, f"|M_i - M_(i-1)| = {float(step.norm()):.4g}")
+    return hist

@@ -1,0 +1,28 @@
+"""Unlearning / recovery methods behind one interface.
+
+``method.unlearn(history, targets, participants, progress=None) -> (model_vector, CostRecord)``
+
+* :class:`Retrain` - FL from scratch without the targets (the reference).
+* :class:`FedEraser` - calibrated replay of every ``interval``-th round.
+* :class:`FedRecover` - L-BFGS-estimated replay of every round with corrections.
+* :class:`Starfish` - the paper's scheme on selected rounds (plaintext run of the same
+  code the secure servers run).
+* :class:`RandomSelection` - Starfish's replay on randomly chosen rounds.
+"""
+
+from .base import ClientPool, CostRecord, RecoveryMethod
+from .federaser import FedEraser
+from .fedrecover import FedRecover
+from .retrain import Retrain
+from .starfish import RandomSelection, Starfish
+
+METHODS = {
+    "retrain": Retrain,
+    "federaser": FedEraser,
+    "fedrecover": FedRecover,
+    "starfish": Starfish,
+    "random": RandomSelection,
+}
+
+__all__ = ["ClientPool", "CostRecord", "RecoveryMethod", "Retrain", "FedEraser",
+           "FedRecover", "Starfish", "RandomSelection", "METHODS"]

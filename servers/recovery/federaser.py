@@ -1,0 +1,77 @@
+"""FedEraser (Liu et al., IWQoS 2021): calibrate stored updates with cheap fresh ones.
+
+Every ``interval``-th round of the history (rounds 1, 1+interval, ...) is replayed from
+M_0. In each, every remaining client runs a short calibration training (``epoch_ratio``
+of its usual local epochs) on the current unlearned model, and the server replaces the
+stored update by one with the *direction of the old* update and the *norm of the new*:
+
+    U_tilde^j = ||U_new^j|| * U_old^j / ||U_old^j||,
+    M_tilde  <- M_tilde - eta * sum_j w_j U_tilde^j    (w renormalised over the rest).
+
+Why it is a baseline: it needs no Hessian but every remaining client works in every
+calibration round, and the norms of half-epoch updates understate the original steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..fl import Participant, ProgressFn
+from ..history import History
+from .base import ClientPool, CostRecord, RecoveryMethod, Timer, remaining_clients
+
+__all__ = ["FedEraser", "calibrate"]
+
+
+def calibrate(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """||new|| * old / ||old|| (the new update itself when the old one is zero)."""
+    n_old = old.norm()
+    if float(n_old) == 0.0:
+        return new
+    return old * (new.norm() / n_old)
+
+
+class FedEraser(RecoveryMethod):
+    name = "federaser"
+
+    def __init__(self, interval: int = 2, epoch_ratio: float = 0.5,
+                 local_epochs: float | None = None, server_lr: float | None = None) -> None:
+        if interval < 1:
+            raise ValueError("interval must be >= 1")
+        self.interval = interval
+        self.epoch_ratio = epoch_ratio
+        self.local_epochs = local_epochs  # default: each client's own epochs
+        self.server_lr = server_lr
+
+    def unlearn(self, history: History, targets: Sequence[int],
+                participants: Sequence[Participant],
+                progress: ProgressFn | None = None) -> tuple[torch.Tensor, CostRecord]:
+        rest = remaining_clients(history, targets)
+        pool = ClientPool(participants, rest)
+        by_id = {p.client_id: p for p in participants}
+        eta = self.server_lr if self.server_lr is not None else history.server_lr
+        rounds = list(range(1, history.num_rounds + 1, self.interval))
+        cost = CostRecord(self.name, history.num_rounds, selected_rounds=rounds)
+        with Timer() as timer:
+            m0_dtype = history.model(0).dtype
+            model = history.model(0).to(torch.float64).clone()
+            for step, t in enumerate(rounds, 1):
+                present = [j for j in rest if j in history.participants(t)]
+                sizes = {j: pool.num_samples(j) for j in present}
+                total = float(sum(sizes.values()))
+                agg = torch.zeros_like(model)
+                for j in present:
+                    base = self.local_epochs or float(getattr(by_id[j], "epochs", 1.0))
+                    new = pool.exact(j, model.to(m0_dtype), t,
+                                     epochs=base * self.epoch_ratio).to(torch.float64)
+                    old = torch.as_tensor(history.update(t, j)).to(torch.float64)
+                    agg += (sizes[j] / total) * calibrate(old, new)
+                model = model - eta * agg
+                if progress is not None:
+                    progress(step, len(rounds), f"round {t}")
+        cost.wall_time_s = timer.elapsed
+        cost.rounds_used = len(rounds)
+        pool.fill(cost)
+        return model.to(history.model(0).dtype), cost

@@ -1,0 +1,42 @@
+"""Retrain from scratch: FL again from M_0 with the remaining clients only.
+
+The gold standard every other method is measured against: it trivially contains no
+trace of the targets, and costs every remaining client all T rounds (ARP = 0).
+It reuses the Stage I coordinator, so with per-(client, round) seeds it equals a plain FL
+run that never included the targets, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..fl import Participant, ProgressFn, run_federated
+from ..history import History
+from .base import ClientPool, CostRecord, RecoveryMethod, Timer, remaining_clients
+
+__all__ = ["Retrain"]
+
+
+class Retrain(RecoveryMethod):
+    name = "retrain"
+
+    def __init__(self, rounds: int | None = None) -> None:
+        self.rounds = rounds  # default: as many rounds as the history has
+
+    def unlearn(self, history: History, targets: Sequence[int],
+                participants: Sequence[Participant],
+                progress: ProgressFn | None = None) -> tuple[torch.Tensor, CostRecord]:
+        rest = remaining_clients(history, targets)
+        pool = ClientPool(participants, rest)
+        rounds = self.rounds or history.num_rounds
+        cost = CostRecord(self.name, history.num_rounds)
+        with Timer() as timer:
+            wrapped = [pool.participant(j) for j in rest]
+            new_hist = run_federated(wrapped, history.model(0), rounds, history.server_lr,
+                                     progress=progress)
+        cost.wall_time_s = timer.elapsed
+        cost.rounds_used = rounds
+        pool.fill(cost)
+        return new_hist.model(new_hist.num_rounds), cost

@@ -1,0 +1,148 @@
+"""Datasets and partitions of the plaintext lab, checked against files written here."""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from clients.datasets import (DatasetError, load_cifar10, load_dataset, load_digits_dataset,
+                              load_idx_dataset, read_idx)
+from clients.partition import dirichlet_split, iid_split, label_bias_split
+
+torch.set_num_threads(1)
+
+
+def write_idx(path: Path, arr: np.ndarray, compress: bool = False) -> None:
+    """IDX as on LeCun's page: 0, 0, type 0x08 (ubyte), ndim, big-endian dims, data."""
+    header = bytes([0, 0, 0x08, arr.ndim]) + struct.pack(f">{arr.ndim}I", *arr.shape)
+    raw = header + arr.astype(np.uint8).tobytes()
+    if compress:
+        path = path.with_name(path.name + ".gz")
+        raw = gzip.compress(raw)
+    path.write_bytes(raw)
+
+
+def make_mnist_dir(d: Path, compress: bool) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    arrays = {
+        "train-images-idx3-ubyte": rng.integers(0, 256, (12, 28, 28)),
+        "train-labels-idx1-ubyte": rng.integers(0, 10, 12),
+        "t10k-images-idx3-ubyte": rng.integers(0, 256, (5, 28, 28)),
+        "t10k-labels-idx1-ubyte": rng.integers(0, 10, 5),
+    }
+    for name, a in arrays.items():
+        write_idx(d / name, a, compress)
+    return arrays
+
+
+def test_digits_is_embedded_and_split_stratified():
+    ds = load_digits_dataset()
+    assert ds.x_train.shape[1:] == (1, 8, 8) and ds.x_test.shape[1:] == (1, 8, 8)
+    assert len(ds.y_train) + len(ds.y_test) == 1797
+    assert float(ds.x_train.min()) == 0.0 and float(ds.x_train.max()) == 1.0
+    counts = torch.bincount(ds.y_test, minlength=10)
+    assert int(counts.min()) >= 40  # every class in proportion (~45 each)
+    assert torch.equal(load_digits_dataset().y_test, ds.y_test)  # fixed split
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_mnist_idx_files_roundtrip(tmp_path, compress):
+    arrays = make_mnist_dir(tmp_path, compress)
+    ds = load_idx_dataset(tmp_path, "fmnist")
+    assert ds.name == "fmnist" and ds.x_train.shape == (12, 1, 28, 28)
+    assert np.allclose(ds.x_train[:, 0].numpy() * 255, arrays["train-images-idx3-ubyte"])
+    assert np.array_equal(ds.y_test.numpy(), arrays["t10k-labels-idx1-ubyte"])
+    assert load_dataset("mnist", tmp_path).x_test.shape == (5, 1, 28, 28)
+
+
+def test_missing_idx_file_is_named(tmp_path):
+    make_mnist_dir(tmp_path, False)
+    (tmp_path / "t10k-labels-idx1-ubyte").unlink()
+    with pytest.raises(DatasetError, match="t10k-labels-idx1-ubyte"):
+        load_idx_dataset(tmp_path)
+    with pytest.raises(DatasetError, match="data-dir"):
+        load_dataset("mnist", None)
+
+
+def test_idx_rejects_truncated_body(tmp_path):
+    p = tmp_path / "x"
+    p.write_bytes(bytes([0, 0, 8, 1]) + struct.pack(">I", 10) + b"\x00" * 9)
+    with pytest.raises(DatasetError, match="promises"):
+        read_idx(p)
+
+
+def write_cifar(d: Path) -> dict[str, tuple[np.ndarray, list[int]]]:
+    rng = np.random.default_rng(2)
+    batches = {}
+    for name in [f"data_batch_{k}" for k in range(1, 6)] + ["test_batch"]:
+        data = rng.integers(0, 256, (3, 3072)).astype(np.uint8)
+        labels = rng.integers(0, 10, 3).tolist()
+        with (d / name).open("wb") as fh:
+            pickle.dump({b"data": data, b"labels": labels, b"batch_label": b"x"}, fh, protocol=2)
+        batches[name] = (data, labels)
+    return batches
+
+
+def test_cifar_batches_roundtrip(tmp_path):
+    sub = tmp_path / "cifar-10-batches-py"
+    sub.mkdir()
+    batches = write_cifar(sub)
+    ds = load_cifar10(tmp_path)  # parent directory is accepted too
+    assert ds.x_train.shape == (15, 3, 32, 32) and ds.x_test.shape == (3, 3, 32, 32)
+    data, labels = batches["data_batch_2"]
+    # row layout: 1024 red, 1024 green, 1024 blue, each 32x32 row-major
+    assert np.allclose(ds.x_train[3, 1].numpy() * 255, data[0, 1024:2048].reshape(32, 32))
+    assert ds.y_train[3:6].tolist() == labels
+
+
+def test_cifar_missing_batch_and_hostile_pickle(tmp_path):
+    write_cifar(tmp_path)
+    (tmp_path / "data_batch_4").unlink()
+    with pytest.raises(DatasetError, match="data_batch_4"):
+        load_cifar10(tmp_path)
+
+    class Evil:
+        def __reduce__(self):
+            return (Path.touch, (tmp_path / "pwned",))
+
+    (tmp_path / "data_batch_4").write_bytes(pickle.dumps({b"data": Evil(), b"labels": []}))
+    with pytest.raises(DatasetError, match="refusing"):
+        load_cifar10(tmp_path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def _check_partition(parts, n):
+    allidx = np.concatenate(parts)
+    assert np.array_equal(np.sort(allidx), np.arange(n))  # disjoint and complete
+
+
+def test_iid_and_dirichlet_cover_everything():
+    y = np.random.default_rng(0).integers(0, 10, 1000)
+    parts = iid_split(y, 7, seed=3)
+    _check_partition(parts, 1000)
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    dparts = dirichlet_split(y, 7, concentration=0.1, seed=3)
+    _check_partition(dparts, 1000)
+    # small concentration: clients are skewed (some class dominates a client)
+    shares = [np.bincount(y[p], minlength=10).max() / len(p) for p in dparts]
+    assert max(shares) > 0.5
+
+
+def test_label_bias_split_follows_q():
+    y = np.repeat(np.arange(10), 2000)
+    parts = label_bias_split(y, 20, q=1.0, num_classes=10, seed=0)
+    _check_partition(parts, len(y))
+    for j, p in enumerate(parts):  # q=1: clients 2l, 2l+1 hold only label l
+        assert set(np.unique(y[p])) == {j // 2}
+    parts = label_bias_split(y, 20, q=0.5, num_classes=10, seed=0)
+    _check_partition(parts, len(y))
+    group0 = np.concatenate(parts[0:2])
+    frac_home = np.mean(y[group0] == 0)
+    # group 0 receives 0.5 of label 0 (1000) and 0.5/9 of each other label (~111 x 9)
+    assert abs(frac_home - 1000 / (1000 + 9 * 2000 * 0.5 / 9)) < 0.03
