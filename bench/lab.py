@@ -38,8 +38,8 @@ from servers.fl import run_federated, stderr_progress
 from servers.metrics import arp, l2_distance
 from servers.recovery import METHODS, CostRecord, FedEraser, FedRecover, RandomSelection, Retrain, Starfish
 
-__all__ = ["main", "add_arguments", "run", "run_lab", "format_table", "DATASET_DEFAULTS",
-           "LabConfig"]
+__all__ = ["main", "add_arguments", "run", "run_lab", "build_setup", "LabSetup", "format_table",
+           "DATASET_DEFAULTS", "LabConfig"]
 
 #: Per-dataset defaults. MNIST/F-MNIST/CIFAR-10 follow the paper (SGD lr 0.005, batch 64,
 #: 5 local epochs). For the 1797-image digits (about 67 training images per client) the
@@ -137,12 +137,28 @@ def _make_method(name: str, args: argparse.Namespace):
     raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
 
 
-def run_lab(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the whole lab and return the JSON-able result (also printed/written by main)."""
+@dataclass
+class LabSetup:
+    """Everything a lab run is built from; deterministic in ``args`` (seeded)."""
+
+    targets: list[int]
+    methods: list[str]
+    cfg: "LabConfig"
+    factory: Any
+    m0: torch.Tensor
+    participants: list
+    evaluate: Any
+    trigger: Any
+
+
+def build_setup(args: argparse.Namespace, say=lambda _msg: None) -> LabSetup:
+    """Data, clients (targets backdoored), model and evaluator, as ``run_lab`` uses them.
+
+    The secure lab rebuilds the same clients inside each server process from ``args``
+    (model factories are closures and do not pickle), so this must stay deterministic.
+    """
     torch.manual_seed(args.seed)
     cfg = LabConfig(args)
-    quiet = args.quiet
-    say = (lambda *_: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     targets = sorted({int(t) for t in str(args.targets).split(",") if t.strip() != ""})
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
     for m in methods:
@@ -182,6 +198,16 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
                     for t in targets])
     evaluate = Evaluator(factory, data.x_test, data.y_test, tx, ty,
                          None if args.no_backdoor else trigger, args.target_label)
+    return LabSetup(targets, methods, cfg, factory, m0, participants, evaluate, trigger)
+
+
+def run_lab(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the whole lab and return the JSON-able result (also printed/written by main)."""
+    quiet = args.quiet
+    say = (lambda *_: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    setup = build_setup(args, say)
+    cfg, targets, methods = setup.cfg, setup.targets, setup.methods
+    participants, evaluate, m0, trigger = setup.participants, setup.evaluate, setup.m0, setup.trigger
 
     t0 = time.perf_counter()
     history = run_federated(participants, m0, args.rounds, cfg.get("lr"),

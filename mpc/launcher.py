@@ -101,7 +101,7 @@ def _party_main(rank: int, fn: Callable, args: tuple, kwargs: dict, opts: dict, 
         if opts.get("plan") is not None:
             with party.meter("prefill"):
                 party.prefill(opts["plan"])
-        value = fn(party, *args, **kwargs)
+        value = fn(party, *args, *opts["own_args"], **kwargs)
         results.put(("ok", rank, pickle.dumps((value, party.meters(), party.recorded_plan))))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         results.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -121,6 +121,7 @@ def run_parties(
     plan: list[tuple] | None = None,
     relay: Callable[[tuple[str, int]], tuple[str, int]] | None = None,
     threads: int = 1,
+    party_args: tuple[tuple, tuple] = ((), ()),
     **kwargs: Any,
 ) -> PartyResults:
     """Run ``fn(party, *args, **kwargs)`` as both parties; see the module docstring.
@@ -133,6 +134,8 @@ def run_parties(
     relay: maps party 1's listening address to the address party 0 should dial (a test
         can put a byte-counting proxy in between).
     timeout: seconds either party waits for a message before failing; also bounds the run.
+    party_args: extra positional arguments for party 0 and for party 1 only (e.g. each
+        server's own shares), appended after ``args``; the other party never receives them.
     """
     prov = {"dealer": "STARFISH_DEALER", "tfp": "TFP"}.get(provider)
     if prov is None:
@@ -151,12 +154,12 @@ def run_parties(
             dealer.start()
             procs.append(dealer)
             opts["dealer_address"] = ("127.0.0.1", _await_port(ports, "dealer", timeout, procs))
-        p1 = ctx.Process(target=_party_main, args=(1, fn, args, kwargs, opts, ports, results), name="party1")
+        p1 = ctx.Process(target=_party_main, args=(1, fn, args, kwargs, {**opts, "own_args": party_args[1]}, ports, results), name="party1")
         p1.start()
         procs.append(p1)
         addr = ("127.0.0.1", _await_port(ports, "party1", timeout, procs))
         opts["peer_address"] = relay(addr) if relay else addr
-        p0 = ctx.Process(target=_party_main, args=(0, fn, args, kwargs, opts, ports, results), name="party0")
+        p0 = ctx.Process(target=_party_main, args=(0, fn, args, kwargs, {**opts, "own_args": party_args[0]}, ports, results), name="party0")
         p0.start()
         procs.append(p0)
         outcomes = _collect(results, timeout, [p0, p1])

@@ -1,0 +1,138 @@
+"""The lab's Starfish run under 2PC: the same Stage II on the two servers' shares.
+
+Why a harness: to show that the secure path equals its plaintext twin, the lab's FL
+history is split into additive shares exactly as clients would upload them (updates, norms
+and thresholds encoded in fixed point, share 0 from a CSPRNG), each share set is written to
+that server's durable ShareStore in its own process, and ``servers.unlearning.run_stage2``
+runs on both under ``mpc.run_parties`` (TLS, dealer). Each server only ever receives its
+own shares (``party_args``).
+
+Simulation shortcut, for this harness only: the remaining clients that Stage II asks for
+exact updates are simulated *inside both server processes* (the same deterministic local
+training), and their fresh updates are split with a PRG key both simulated copies know.
+So here each server process could compute those fresh updates in the clear. The service
+(``starfish server`` with real or simulated client processes) has clients upload shares
+instead; this harness measures the servers' 2PC cost and checks equality, nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mpc import encoding
+from mpc.prg import Prg, new_seed
+from mpc.sharing import share
+from servers.history import History
+from servers.unlearning import StarfishParams, run_stage2
+
+NORM_DELTA_PRECISION = encoding.DEFAULT_PRECISION
+
+
+def split_history(history: History) -> tuple[list[dict], list[dict]]:
+    """Per round and party: public model/participants/weights and that party's shares."""
+    per_party: tuple[list[dict], list[dict]] = ([], [])
+    for i in range(1, history.num_rounds + 1):
+        parts = history.participants(i)
+        rows: tuple[dict, dict] = ({}, {})
+        for j in parts:
+            up = share(torch.as_tensor(history.update(i, j)).double().numpy())
+            nm = share(np.asarray(float(history.norm(i, j))))
+            dl = share(np.asarray(float(history.delta(i, j))))
+            rows[0][j] = (up.share0, nm.share0, dl.share0)
+            rows[1][j] = (up.share1, nm.share1, dl.share1)
+        for r in (0, 1):
+            per_party[r].append({"model": history.model(i).double().numpy(), "participants": list(parts),
+                                 "weights": dict(history.weights(i)), "shares": rows[r]})
+    return per_party
+
+
+class SimulatedShareClients:
+    """CorrectionClients for the harness: train in the clear, hand this party its share."""
+
+    def __init__(self, party, participants: list, key: bytes):
+        self._party = party
+        self._by_id = {p.client_id: p for p in participants}
+        self._key = key
+        self._requests = 0
+        self.computations: dict[int, int] = {}
+
+    def exact_updates(self, round_index: int, model: torch.Tensor, client_ids: list[int]) -> dict[int, Any]:
+        out = {}
+        for j in client_ids:
+            g = self._by_id[j].train(model, round_index).update
+            ring = encoding.encode(torch.as_tensor(g).double().numpy())
+            share0 = Prg(self._key, self._requests).ring(ring.shape)
+            self._requests += 1
+            mine = share0 if self._party.rank == 0 else ring - share0
+            out[j] = self._party.wrap_share(mine)
+            self.computations[j] = self.computations.get(j, 0) + 1
+        return out
+
+
+def _server(party, lab_args: dict, targets: list[int], params: StarfishParams, store_root: str,
+            client_key: bytes, m0: np.ndarray, server_lr: float, my_rounds: list[dict]) -> dict:
+    """One server: store its shares durably, then run Stage II on them under 2PC."""
+    from servers.share_store import ClientShares, ShareStore
+
+    from .lab import build_setup
+
+    torch.set_num_threads(1)
+    setup = build_setup(argparse.Namespace(**lab_args))
+    root = Path(store_root) / f"server{party.rank}"
+    with party.meter("load"):
+        store = ShareStore(root, party=party.rank, initial_model=m0, server_lr=server_lr)
+        for i, rnd in enumerate(my_rounds, 1):
+            store.append_round(i, rnd["model"], rnd["participants"], rnd["weights"],
+                               {j: ClientShares(*v) for j, v in rnd["shares"].items()})
+        history = store.history(wrap=party.wrap_share)
+    clients = SimulatedShareClients(party, setup.participants, client_key)
+    res = run_stage2(party, history, targets, params, clients)
+    store.close()
+    out = res.to_json()
+    out["model"] = res.model.double().numpy()
+    out["meters"] = res.meters
+    out["client_computations"] = clients.computations
+    return out
+
+
+def run_secure_starfish(lab_args: argparse.Namespace, history: History, targets: list[int],
+                        params: StarfishParams, link=None, timeout: float = 1800.0) -> dict:
+    """Stage II under 2PC on ``history``; returns both servers' outcomes."""
+    from mpc import run_parties
+    from mpc.channel import NO_LINK
+
+    shares0, shares1 = split_history(history)
+    args = {k: v for k, v in vars(lab_args).items() if k != "func"}
+    with tempfile.TemporaryDirectory(prefix="starfish-secure-lab-") as tmp:
+        res = run_parties(
+            _server, args, targets, params, tmp, new_seed(), history.model(0).double().numpy(),
+            float(history.server_lr), party_args=((shares0,), (shares1,)), link=link or NO_LINK,
+            timeout=timeout,
+        )
+    return {"values": res.values, "seconds": res.seconds}
+
+
+def step_table(meters: list[dict]) -> list[dict]:
+    """Per step: rounds, online bytes (both directions), offline bytes (both servers), seconds."""
+    rows = []
+    names = [n for n in ("load", "TD", "RS", "UE", "TC", "correction", "aggregate") if n in meters[0]["steps"]]
+    for name in names:
+        a, b = meters[0]["steps"][name], meters[1]["steps"][name]
+        rows.append({
+            "step": name,
+            "rounds": a["online_rounds"],
+            "online_bytes": a["online_bytes_sent"] + a["online_bytes_received"],
+            "offline_bytes": sum(r["offline_bytes_sent"] + r["offline_bytes_received"] for r in (a, b)),
+            "seconds": max(a["seconds"], b["seconds"]),
+            "calls": a["calls"],
+        })
+    return rows
+
+
+__all__ = ["split_history", "SimulatedShareClients", "run_secure_starfish", "step_table"]
