@@ -100,6 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="FedRecover abnormality tolerance (global threshold) (0.001)")
     u.add_argument("--fedrecover-final", type=int, default=2, help="FedRecover final tuning")
     u.add_argument("--federaser-interval", type=int, default=2, help="FedEraser interval")
+    sec = parser.add_argument_group("2PC")
+    sec.add_argument("--secure", action="store_true",
+                     help="also run Starfish under 2PC (two server processes, TLS, dealer) on the "
+                          "same history and print its per-step online/offline bytes, rounds, seconds")
+    sec.add_argument("--latency-ms", type=float, default=0.0,
+                     help="emulated one-way server<->server latency for --secure (0)")
+    sec.add_argument("--bandwidth-mbps", type=float, default=0.0,
+                     help="emulated server<->server bandwidth for --secure, 0 = unlimited (0)")
     o = parser.add_argument_group("output")
     o.add_argument("--out", help="directory for lab.json and lab.png")
     o.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -225,6 +233,13 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
         model, cost = method.unlearn(history, targets, participants,
                                      progress=None if quiet else stderr_progress(name))
         models[name], costs[name] = model, cost
+    secure = None
+    if getattr(args, "secure", False):
+        secure = _run_secure(args, history, targets, costs)
+        models["starfish (2PC)"], costs["starfish (2PC)"] = secure["model"], secure["cost"]
+        if "starfish" in models:
+            secure["max_abs_diff"] = float((secure["model"].double() - models["starfish"].double()).abs().max())
+        methods = methods + ["starfish (2PC)"]
     retrained = models.get("retrain")
     for name in methods:
         cost = costs[name]
@@ -242,8 +257,41 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
                    "poison_fraction": cfg.get("poison_fraction"), "boost": cfg.get("boost"),
                    "targets": targets,
                    "num_params": int(m0.numel()), "trigger": vars(trigger)})
-    return {"config": config, "results": rows,
-            "costs": {k: c.to_json() for k, c in costs.items()}}
+    result = {"config": config, "results": rows,
+              "costs": {k: c.to_json() for k, c in costs.items()}}
+    if secure is not None:
+        result["secure"] = {"steps": secure["steps"], "max_abs_diff_to_plaintext": secure["max_abs_diff"],
+                            "selected_rounds_equal": secure["selected_equal"], "seconds": secure["seconds"]}
+    return result
+
+
+def _run_secure(args: argparse.Namespace, history, targets: list[int], costs: dict) -> dict:
+    """Starfish under 2PC on ``history`` (bench.secure_lab), compared with the plaintext run."""
+    from mpc.channel import LinkProfile
+    from servers.unlearning import StarfishParams
+
+    from .secure_lab import run_secure_starfish, step_table
+
+    params = StarfishParams(sigma=args.sigma, beta=args.beta, buffer=args.buffer, method=args.rs_method)
+    link = LinkProfile(args.latency_ms / 1000.0, args.bandwidth_mbps * 1e6)
+    if not args.quiet:
+        print("starfish (2PC): two server processes + dealer over TLS ...", file=sys.stderr, flush=True)
+    out = run_secure_starfish(args, history, targets, params, link=link)
+    v0, v1 = out["values"]
+    model = torch.from_numpy(v0["model"]).to(history.model(0).dtype)
+    cost = CostRecord("starfish (2PC)", history.num_rounds, wall_time_s=out["seconds"],
+                      rounds_used=len(v0["selected_rounds"]),
+                      client_computations={int(k): v for k, v in v0["client_computations"].items()},
+                      selected_rounds=v0["selected_rounds"])
+    for j in costs.get("starfish", cost).client_computations:
+        cost.client_computations.setdefault(j, 0)
+    plain = costs.get("starfish")
+    steps = step_table([v0["meters"], v1["meters"]])
+    return {
+        "model": model, "cost": cost, "steps": steps, "seconds": out["seconds"],
+        "max_abs_diff": None,
+        "selected_equal": None if plain is None else plain.selected_rounds == v0["selected_rounds"],
+    }
 
 
 def _fmt(v: Any, pct: bool = False, digits: int = 2) -> str:
@@ -309,6 +357,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"starfish lab: error: {exc}", file=sys.stderr)
         return 2
     print(format_table(result["results"]))
+    if "secure" in result:
+        from .report import human_bytes
+
+        print("\nstarfish (2PC) per step (online: server<->server, both directions; offline: dealer):")
+        print(f"{'step':<12}{'rounds':>8}{'online':>12}{'offline':>12}{'seconds':>9}")
+        for r in result["secure"]["steps"]:
+            print(f"{r['step']:<12}{r['rounds']:>8}{human_bytes(r['online_bytes']):>12}"
+                  f"{human_bytes(r['offline_bytes']):>12}{r['seconds']:>9.2f}")
+        sec = result["secure"]
+        print(f"2PC total {sec['seconds']:.1f} s; selected rounds equal to plaintext: "
+              f"{sec['selected_rounds_equal']}; max |2PC - plaintext| parameter difference: "
+              f"{sec['max_abs_diff_to_plaintext']}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,7 @@ from protocols.starfish.round_selection import DEFAULT_T_DELTA, Method
 from protocols.starfish.update_estimation import Inverse
 
 from .history import History, Secret
-from .recovery.pairs import PairBuffers
+from .lbfgs_pairs import PairBuffers
 
 __all__ = ["StarfishParams", "CorrectionClients", "Stage2Result", "run_stage2", "starfish_select",
            "remaining_of"]

@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     bp = bsub.add_parser("primitives", help="per primitive and size: rounds, online/offline bytes, seconds")
     primitives.add_arguments(bp)
     bp.set_defaults(func=lambda a: primitives.main(args=a))
+    from bench import rs_switch
+
+    bs = bsub.add_parser("rs-switch", help="measure round-selection Methods 1 and 2; derive T_delta")
+    rs_switch.add_arguments(bs)
+    bs.set_defaults(func=lambda a: rs_switch.main(args=a))
     return parser
 
 

@@ -33,16 +33,17 @@ from typing import Any, Literal
 import torch
 
 from .backend import is_secret, weighted_sum
+from .switching import default_t_delta
 
 __all__ = ["num_selected", "selection_keys", "select_rounds", "combine_targets",
            "choose_method", "DEFAULT_T_DELTA"]
 
 Method = Literal["ratio", "divide", "auto"]
 
-#: Placeholder switching threshold: use Method 1 (ratio) while T <= DEFAULT_T_DELTA.
-#: The paper derives T_delta from ABY's costs; this project must derive it from its own
-#: measured costs (bench/), which is why it is a parameter everywhere.
-DEFAULT_T_DELTA = 64
+#: Switching threshold for ``method="auto"``: Method 1 (ratio) while T < DEFAULT_T_DELTA.
+#: Derived from this project's measured costs on the LAN profile
+#: (``starfish bench rs-switch --write-default``; see ``switching.py``), overridable everywhere.
+DEFAULT_T_DELTA = default_t_delta("lan")
 
 
 def num_selected(num_rounds: int, sigma: float) -> int:
@@ -56,7 +57,7 @@ def num_selected(num_rounds: int, sigma: float) -> int:
 def choose_method(num_rounds: int, method: Method = "auto",
                   t_delta: int = DEFAULT_T_DELTA) -> Literal["ratio", "divide"]:
     if method == "auto":
-        return "ratio" if num_rounds <= t_delta else "divide"
+        return "ratio" if num_rounds < t_delta else "divide"
     if method not in ("ratio", "divide"):
         raise ValueError(f"unknown method {method!r}")
     return method

@@ -33,7 +33,7 @@ from protocols.starfish.update_estimation import Inverse, estimate_updates
 from ..fl import Participant, ProgressFn
 from ..history import History
 from .base import ClientPool, CostRecord, RecoveryMethod, Timer, remaining_clients
-from .pairs import PairBuffers
+from ..lbfgs_pairs import PairBuffers
 
 __all__ = ["FedRecover", "global_threshold", "plain_inverse"]
 

@@ -1,0 +1,103 @@
+"""The switching threshold T_delta of secure round selection, from our measured costs.
+
+Method 1 sorts (u, v) pairs with the division-free comparator (two extra multiplications
+per comparison, one extra round per sorting layer); Method 2 divides once per round and
+sorts plain keys. Which is cheaper depends on T and on the link: rounds cost latency,
+bytes cost bandwidth. This benchmark measures both methods under 2PC (dealer, TLS, no
+emulated link) for several T, then predicts each method's time on a link as
+
+    rounds x one-way latency + bytes per direction x 8 / bandwidth + measured compute
+
+and reports, per link profile, T_delta = the smallest measured T from which Method 2 is
+predicted faster (None: Method 1 at every measured T); the formula and profiles live in
+``protocols/starfish/switching.py``. ``--write-default`` stores the measured table in
+``protocols/starfish/rs_switch.json``, from which ``method="auto"`` takes its default
+T_delta (LAN profile).
+
+    starfish bench rs-switch --T 8,16,32,64,128,256 --out out/rs_switch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .report import machine_info, markdown_table, write_json
+
+from protocols.starfish.switching import MEASUREMENT as DEFAULT_FILE  # noqa: E402
+from protocols.starfish.switching import PROFILES, predicted_seconds, t_delta_from  # noqa: E402
+
+
+def _program(party, T: int, seed: int) -> dict:
+    import torch
+
+    from mpc.crypten_compat import crypten
+    from protocols.starfish import num_selected, select_rounds
+
+    gen = torch.Generator().manual_seed(seed)
+    u = crypten.cryptensor(torch.randn(T, generator=gen, dtype=torch.float64), src=0)
+    v = crypten.cryptensor(torch.rand(T, generator=gen, dtype=torch.float64) + 0.5, src=0)
+    k = num_selected(T, 0.6)
+    # warm-up: the first secure comparison in a process pays one-off import/dispatch costs
+    # (about 0.6 s here) that would otherwise be charged to whichever method runs first
+    w = crypten.cryptensor(torch.ones(2, dtype=torch.float64), src=0)
+    select_rounds(w, w + 1, 1, method="ratio")
+    select_rounds(w, w + 1, 1, method="divide")
+    out = {}
+    for method in ("ratio", "divide"):
+        with party.meter(method):
+            out[method] = select_rounds(u, v, k, method=method)
+    return out
+
+
+def measure(Ts: list[int]) -> list[dict]:
+    from mpc import run_parties
+
+    rows = []
+    for T in Ts:
+        print(f"round selection with T = {T} ...", file=sys.stderr, flush=True)
+        first = run_parties(_program, T, T, timeout=1800)
+        res = run_parties(_program, T, T, plan=first.plans[1], timeout=1800)  # online phase only
+        if res.values[0]["ratio"] != res.values[0]["divide"]:
+            print(f"  note: methods chose different rounds at T={T} (fixed-point ties)", file=sys.stderr)
+        for method in ("ratio", "divide"):
+            a, b = (m["steps"][method] for m in res.meters)
+            rows.append({"T": T, "method": method, "rounds": a["online_rounds"],
+                         "online_bytes": a["online_bytes_sent"] + a["online_bytes_received"],
+                         "seconds": max(a["seconds"], b["seconds"])})
+    return rows
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--T", default="8,16,32,64,128,256", help="numbers of rounds to measure")
+    p.add_argument("--out", default="out/rs_switch.json", help="JSON output (default out/rs_switch.json)")
+    p.add_argument("--write-default", action="store_true",
+                   help=f"also store the measurement as the package default ({DEFAULT_FILE.name})")
+
+
+def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
+    if args is None:
+        parser = argparse.ArgumentParser(prog="starfish bench rs-switch", description=__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_arguments(parser)
+        args = parser.parse_args(argv)
+    Ts = [int(float(t)) for t in args.T.split(",")]
+    rows = measure(Ts)
+    for r in rows:
+        for name, (lat, bw) in PROFILES.items():
+            r[f"{name}_s"] = round(predicted_seconds(r, lat, bw), 4)
+    print(markdown_table(rows, ["T", "method", "rounds", "online_bytes", "seconds", "lan_s", "wan_s"]))
+    deltas = {name: t_delta_from(rows, *prof) for name, prof in PROFILES.items()}
+    for name, d in deltas.items():
+        verdict = f"T_delta = {d}" if d is not None else "Method 1 at every measured T"
+        print(f"{name}: {verdict}")
+    payload = {"machine": machine_info(), "profiles": {k: {"one_way_latency_s": v[0], "bandwidth_bps": v[1]}
+                                                        for k, v in PROFILES.items()},
+               "rows": rows, "t_delta": deltas}
+    write_json(args.out, payload)
+    if args.write_default:
+        write_json(DEFAULT_FILE, payload)
+    return 0
+
+
+__all__ = ["measure", "main", "add_arguments"]
