@@ -6,8 +6,8 @@ import torch
 
 from mpc.crypten_compat import crypten
 from protocols.backend import reveal
-from protocols.starfish import (check_thresholds, determine_thresholds, estimate_updates, select_rounds,
-                                selection_keys)
+from protocols.starfish import (check_thresholds, combine_targets, determine_thresholds, estimate_updates,
+                                select_rounds, selection_keys)
 
 
 def _shared(x: torch.Tensor):
@@ -21,6 +21,10 @@ def sub_protocols(party, inp: dict) -> dict:
     with party.meter("RS"):
         u, v = selection_keys(_shared(inp["g"]), inp["dm"], _shared(inp["norms"]))
         out["selected"] = {m: select_rounds(u, v, inp["k"], method=m) for m in ("ratio", "divide")}
+    with party.meter("RS-multi"):
+        both = combine_targets([_shared(inp["g"]), _shared(inp["g2"])], [0.25, 0.75])
+        u2, v2 = selection_keys(both, inp["dm"], None)
+        out["selected_multi"] = {m: select_rounds(u2, v2, inp["k"], method=m) for m in ("ratio", "divide")}
     with party.meter("UE"):
         est = estimate_updates(_shared(inp["stored"]), inp["s"], inp["S"], _shared(inp["Y"]))
         out["estimates"] = reveal(est).numpy()

@@ -31,6 +31,7 @@ def _inputs() -> dict:
     dm[6] = 0.05 * g[6]           # ... and a tie with it
     g[4] = 2.0 * g[4]
     dm[4] = -0.1 * g[4]           # a negative cosine: never selected
+    g2 = torch.randn(T, m, generator=gen, dtype=torch.float64)
     deltas = torch.rand(n, T, generator=gen, dtype=torch.float64)
     deltas[1, 3] = deltas[1, 5] = 1.5  # a tie at the maximum
     deltas[2] = 0.0                    # zeros
@@ -42,7 +43,7 @@ def _inputs() -> dict:
     thr = torch.tensor([0.5, 0.5, 0.5], dtype=torch.float64)
     est[1, 7] = -0.75                 # client 1 exceeds its threshold in one coordinate
     est[2, 3] = 0.5                   # client 2 sits exactly on it (>= counts)
-    return {"deltas": deltas, "g": g, "dm": dm, "norms": g.norm(dim=-1), "k": 4, "S": S, "Y": Y,
+    return {"deltas": deltas, "g": g, "g2": g2, "dm": dm, "norms": g.norm(dim=-1), "k": 4, "S": S, "Y": Y,
             "stored": stored, "s": s, "est_for_tc": est, "thr_for_tc": thr}
 
 
@@ -67,6 +68,16 @@ def test_round_selection_with_ties_and_a_negative_cosine(sub_protocol_run, metho
     assert plain == _cosine_order(inp["g"], inp["dm"], inp["k"])
     assert 3 in plain and 7 in plain and 5 not in plain  # the tie pair in, the negative cosine out
     assert res.values[0]["selected"][method] == plain == res.values[1]["selected"][method]
+
+
+@pytest.mark.parametrize("method", ["ratio", "divide"])
+def test_round_selection_for_two_targets_uses_their_weighted_sum(sub_protocol_run, method):
+    inp, res = sub_protocol_run
+    combined = 0.25 * inp["g"] + 0.75 * inp["g2"]
+    oracle = _cosine_order(combined, inp["dm"], inp["k"])
+    u, v = selection_keys(combined, inp["dm"], None)
+    assert select_rounds(u, v, inp["k"], method=method) == oracle
+    assert res.values[0]["selected_multi"][method] == oracle
 
 
 def test_update_estimation_matches_plaintext(sub_protocol_run):
