@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Secret", "RoundRecord", "History", "InMemoryHistory", "NpzHistory"]
+__all__ = ["Secret", "RoundRecord", "History", "InMemoryHistory", "NpzHistory", "remaining_clients"]
 
 #: A plain torch tensor (plaintext lab) or a secret-shared tensor (CrypTen MPCTensor).
 Secret = Any
@@ -262,3 +262,15 @@ class NpzHistory(History):
             deltas=np.asarray([scalar(record.deltas[c]) for c in parts]),
         )
         self._count += 1
+
+
+def remaining_clients(history: History, targets: Iterable[int]) -> list[int]:
+    """The clients that stay after unlearning ``targets`` (all of them must have taken part)."""
+    t = set(targets)
+    unknown = t - set(history.clients())
+    if unknown:
+        raise ValueError(f"targets {sorted(unknown)} never took part in FL")
+    rest = [j for j in history.clients() if j not in t]
+    if not rest:
+        raise ValueError("no client would remain after unlearning")
+    return rest

@@ -48,11 +48,10 @@ from protocols.starfish.backend import reveal, stack, to_compute, weighted_sum
 from protocols.starfish.round_selection import DEFAULT_T_DELTA, Method
 from protocols.starfish.update_estimation import Inverse
 
-from .history import History, Secret
+from .history import History, Secret, remaining_clients
 from .lbfgs_pairs import PairBuffers
 
-__all__ = ["StarfishParams", "CorrectionClients", "Stage2Result", "run_stage2", "starfish_select",
-           "remaining_of"]
+__all__ = ["StarfishParams", "CorrectionClients", "Stage2Result", "run_stage2", "starfish_select"]
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -106,17 +105,6 @@ class Stage2Result:
         }
 
 
-def remaining_of(history: History, targets: Sequence[int]) -> list[int]:
-    t = set(targets)
-    unknown = t - set(history.clients())
-    if unknown:
-        raise ValueError(f"targets {sorted(unknown)} never took part in FL")
-    rest = [j for j in history.clients() if j not in t]
-    if not rest:
-        raise ValueError("no client would remain after unlearning")
-    return rest
-
-
 def starfish_select(history: History, targets: Sequence[int], k: int, params: StarfishParams) -> list[int]:
     """SecRS: the k rounds most aligned with the targets, chronological."""
     T = history.num_rounds
@@ -161,7 +149,7 @@ def run_stage2(
     meter = party.meter if party is not None else (lambda _name: contextlib.nullcontext())
     t0 = time.perf_counter()
     targets = sorted(set(targets))
-    rest = remaining_of(history, targets)
+    rest = remaining_clients(history, targets)
     T = history.num_rounds
     for i in range(1, T + 1):
         if any(j not in history.participants(i) for j in rest):

@@ -127,13 +127,14 @@ def test_secure_stage2_equals_the_plaintext_twin_end_to_end():
     from servers.fl import run_federated
     from servers.recovery.base import ClientPool
     from servers.recovery.starfish import _PoolClients
-    from servers.unlearning import StarfishParams, remaining_of, run_stage2
+    from servers.history import remaining_clients
+    from servers.unlearning import StarfishParams, run_stage2
 
     args = _lab_args()
     setup = lab.build_setup(args)
     hist = run_federated(setup.participants, setup.m0, args.rounds, setup.cfg.get("lr"))
     params = StarfishParams(sigma=0.6, beta=0.2, buffer=2)
-    pool = ClientPool(setup.participants, remaining_of(hist, setup.targets))
+    pool = ClientPool(setup.participants, remaining_clients(hist, setup.targets))
     plain = run_stage2(None, hist, setup.targets, params, _PoolClients(pool))
     out = secure_lab.run_secure_starfish(args, hist, setup.targets, params)
     v0, v1 = out["values"]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..fl import Participant, ProgressFn
-from ..history import History
+from ..history import History, remaining_clients
 
 __all__ = ["CostRecord", "ClientPool", "RecoveryMethod", "remaining_clients", "Timer"]
 
@@ -111,17 +111,6 @@ class _CountedParticipant:
 
     def train(self, model_vec: torch.Tensor, round_idx: int, epochs: float | None = None) -> Any:
         return self._pool.request(self.client_id, model_vec, round_idx, epochs)
-
-
-def remaining_clients(history: History, targets: Iterable[int]) -> list[int]:
-    t = set(targets)
-    unknown = t - set(history.clients())
-    if unknown:
-        raise ValueError(f"targets {sorted(unknown)} never took part in FL")
-    rest = [j for j in history.clients() if j not in t]
-    if not rest:
-        raise ValueError("no client would remain after unlearning")
-    return rest
 
 
 class Timer:
