@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 
 import msgpack
@@ -45,10 +46,14 @@ def unpack(buf: bytes) -> dict:
     return msg
 
 
+SESSION_TTL = 24 * 3600.0  # a session whose party 1 never finished is forgotten after this
+
+
 @dataclass
 class _Session:
     seeds: tuple[bytes, bytes] = field(default_factory=lambda: (new_seed(), new_seed()))
     handed: set = field(default_factory=set)
+    created: float = field(default_factory=time.monotonic)
 
 
 class DealerServer:
@@ -109,6 +114,9 @@ class DealerServer:
         if ch.peer != tls.PARTY_NAMES[rank]:
             raise correlations.RequestError(f"{ch.peer} may not act as rank {rank}")
         with self._lock:
+            now = time.monotonic()
+            for stale in [k for k, v in self._sessions.items() if now - v.created > SESSION_TTL]:
+                del self._sessions[stale]  # a long-running dealer must not keep dead sessions
             sess = self._sessions.setdefault(sid, _Session())
             if rank in sess.handed:
                 raise correlations.RequestError(f"seed of rank {rank} already handed out for this session")

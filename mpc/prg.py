@@ -33,21 +33,29 @@ class Prg:
             seed, AES.MODE_CTR, nonce=stream.to_bytes(8, "big"), initial_value=0
         )
 
+    def _keystream(self, nbytes: int) -> bytearray:
+        buf = bytearray(nbytes)
+        self._cipher.encrypt(buf, output=buf)  # CTR keystream = encryption of zeros
+        return buf
+
     def ring(self, shape) -> np.ndarray:
         """Uniform int64 elements (every one of the 2**64 ring values equally likely)."""
-        shape = tuple(int(s) for s in np.atleast_1d(shape)) if not isinstance(shape, tuple) else shape
-        n = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
-        buf = bytearray(8 * n)
-        self._cipher.encrypt(buf, output=buf)
-        return np.frombuffer(buf, dtype="<i8").reshape(shape)
+        shape = _shape(shape)
+        return np.frombuffer(self._keystream(8 * _count(shape)), dtype="<i8").reshape(shape)
 
     def bits(self, shape) -> np.ndarray:
         """Uniform 0/1 int64 elements (one PRG byte each, its low bit)."""
-        shape = tuple(shape)
-        n = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
-        buf = bytearray(n)
-        self._cipher.encrypt(buf, output=buf)
-        return (np.frombuffer(buf, dtype=np.uint8) & 1).astype(np.int64).reshape(shape)
+        shape = _shape(shape)
+        raw = np.frombuffer(self._keystream(_count(shape)), dtype=np.uint8)
+        return (raw & 1).astype(np.int64).reshape(shape)
+
+
+def _shape(shape) -> tuple[int, ...]:
+    return (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) if shape else 1
 
 
 def expand(seed: bytes, shape, stream: int = 0) -> np.ndarray:

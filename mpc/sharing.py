@@ -36,9 +36,10 @@ class Shares:
 
 
 def random_ring(shape) -> np.ndarray:
+    """Uniform ring elements straight from the OS CSPRNG."""
     shape = tuple(shape)
     n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    return np.frombuffer(os.urandom(8 * n), dtype="<i8").reshape(shape).copy()
+    return np.frombuffer(bytearray(os.urandom(8 * n)), dtype="<i8").reshape(shape)
 
 
 def share_ring(ring: np.ndarray, compress: bool = False, precision: int = DEFAULT_PRECISION) -> Shares:
