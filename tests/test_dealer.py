@@ -63,3 +63,50 @@ def test_malformed_requests_are_rejected(bad):
 def test_matmul_result_shape_matches_torch(s0, s1):
     expected = torch.matmul(torch.zeros(s0), torch.zeros(s1)).shape
     assert C.correction_shape(C.make_request("triple", s0, s1, "matmul")) == tuple(expected)
+
+
+def _dealer():
+    import threading
+
+    from mpc import tls
+    from mpc.dealer import DealerServer
+    from mpc.launcher import ephemeral_keys
+
+    keys = ephemeral_keys()
+    server = DealerServer(tls.identity(keys, tls.DEALER_NAME))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return keys, server
+
+
+def _link(keys, server, cert_name, rank, session):
+    from mpc import tls
+    from mpc.channel import Channel
+    from mpc.dealer import DealerLink
+
+    ch = Channel.connect(server.address, tls.client_context(tls.identity(keys, cert_name)), tls.DEALER_NAME,
+                         kind="offline", timeout=10)
+    return DealerLink(ch, rank, session)
+
+
+def test_dealer_gives_each_seed_once_and_only_to_its_own_server():
+    import os
+
+    keys, server = _dealer()
+    try:
+        sid = os.urandom(16)
+        with pytest.raises(C.RequestError, match="may not act as rank 0"):
+            _link(keys, server, "server1", 0, sid)  # server 1 asking for party 0's seed
+        first = _link(keys, server, "server0", 0, sid)
+        assert len(first.seed) == 16
+        with pytest.raises(C.RequestError, match="already handed out"):
+            _link(keys, server, "server0", 0, sid)
+        p1 = _link(keys, server, "server1", 1, sid)
+        assert p1.seed != first.seed
+        req = C.make_request("triple", (5,), (5,), "mul")
+        a0, b0, c0 = C.party0_shares(req, first.seed, 0)
+        a1, b1, c1 = C.party1_shares(req, p1.seed, 0, p1.get(0, req))
+        assert torch.equal(c0 + c1, (a0 + a1) * (b0 + b1))
+        p1.close()
+        first.close()
+    finally:
+        server.stop()
