@@ -38,7 +38,7 @@ KIND_OBJECT = 2
 KIND_HELLO = 3
 _CHUNK = 1 << 20
 DEFAULT_TIMEOUT = 120.0
-MAX_FRAME = 1 << 36  # 64 GiB: a bound, so a corrupt length cannot make us allocate wildly
+MAX_FRAME = 1 << 36  # default per-frame bound (64 GiB): a corrupt length cannot allocate wildly
 
 
 class ChannelError(ConnectionError):
@@ -95,8 +95,10 @@ class Channel:
         link: LinkProfile,
         timeout: float,
         label: str,
+        max_frame: int = MAX_FRAME,
     ):
         self.kind = kind
+        self.max_frame = max_frame
         self.meter = meter
         self.link = link
         self.timeout = timeout
@@ -132,6 +134,7 @@ class Channel:
         link: LinkProfile = NO_LINK,
         timeout: float = DEFAULT_TIMEOUT,
         connect_timeout: float = 30.0,
+        max_frame: int = MAX_FRAME,
     ) -> "Channel":
         """Connect to ``address`` and require the server to prove identity ``expected_peer``."""
         deadline = time.monotonic() + connect_timeout
@@ -146,7 +149,7 @@ class Channel:
         inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
         sslobj = ctx.wrap_bio(inc, out, server_side=False, server_hostname=expected_peer)
         ch = cls(sock, sslobj, inc, out, kind=kind, meter=meter, link=link, timeout=timeout,
-                 label=f"{kind} channel to {expected_peer}")
+                 label=f"{kind} channel to {expected_peer}", max_frame=max_frame)
         ch._establish(lambda name: name == expected_peer, expected_peer)
         return ch
 
@@ -157,23 +160,37 @@ class Channel:
         ctx: ssl.SSLContext,
         allowed_peer: Callable[[str], bool] | str,
         *,
-        kind: str = "online",
-        meter: Meter | None = None,
-        link: LinkProfile = NO_LINK,
         timeout: float = DEFAULT_TIMEOUT,
+        **kwargs,
     ) -> "Channel":
         """Accept one connection; the client's certificate must name an allowed peer."""
-        check = (lambda n: n == allowed_peer) if isinstance(allowed_peer, str) else allowed_peer
         listener.settimeout(timeout)
         try:
             sock, _addr = listener.accept()
         except socket.timeout as exc:
             raise PeerTimeout(f"no peer connected within {timeout:.0f}s") from exc
+        return cls.wrap_accepted(sock, ctx, allowed_peer, timeout=timeout, **kwargs)
+
+    @classmethod
+    def wrap_accepted(
+        cls,
+        sock: socket.socket,
+        ctx: ssl.SSLContext,
+        allowed_peer: Callable[[str], bool] | str,
+        *,
+        kind: str = "online",
+        meter: Meter | None = None,
+        link: LinkProfile = NO_LINK,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_frame: int = MAX_FRAME,
+    ) -> "Channel":
+        """Run the server side of the handshake on a socket an accept loop already took."""
+        check = (lambda n: n == allowed_peer) if isinstance(allowed_peer, str) else allowed_peer
         sock.settimeout(timeout)
         inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
         sslobj = ctx.wrap_bio(inc, out, server_side=True)
         ch = cls(sock, sslobj, inc, out, kind=kind, meter=meter, link=link, timeout=timeout,
-                 label=f"{kind} channel (accepted)")
+                 label=f"{kind} channel (accepted)", max_frame=max_frame)
         ch._establish(check, str(allowed_peer) if isinstance(allowed_peer, str) else "an allowed peer")
         return ch
 
@@ -288,8 +305,9 @@ class Channel:
                         if filled == len(view) and payload is None:
                             first_byte_at = time.monotonic()
                             kind, length = _HEADER.unpack(header)
-                            if length > MAX_FRAME:
-                                raise ProtocolError(f"frame of {length} bytes exceeds the limit")
+                            if length > self.max_frame:
+                                raise ProtocolError(f"frame of {length} bytes exceeds the limit "
+                                                    f"of {self.max_frame} bytes")
                             payload = bytearray(length)
                             view, filled = memoryview(payload), 0
                         if payload is not None and filled == len(view):

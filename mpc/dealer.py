@@ -59,8 +59,10 @@ class _Session:
 class DealerServer:
     """Serves any number of concurrent two-party sessions, one thread per connection."""
 
-    def __init__(self, ident: tls.Identity, host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0):
+    def __init__(self, ident: tls.Identity, host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0,
+                 max_frame: int | None = None):
         self._ctx = tls.server_context(ident)
+        self._max_frame = max_frame
         self._listener = listen(host, port)
         self._timeout = timeout
         self._sessions: dict[bytes, _Session] = {}
@@ -87,10 +89,10 @@ class DealerServer:
         self._listener.close()
 
     def _serve_connection(self, sock: socket.socket) -> None:
-        one_shot = _OneShotListener(sock)
+        limit = {} if self._max_frame is None else {"max_frame": self._max_frame}
         try:
-            ch = Channel.accept(one_shot, self._ctx, lambda n: n in tls.PARTY_NAMES,
-                                kind="offline", timeout=self._timeout)
+            ch = Channel.wrap_accepted(sock, self._ctx, lambda n: n in tls.PARTY_NAMES,
+                                       kind="offline", timeout=self._timeout, **limit)
         except ChannelError as exc:
             log.warning("refused a dealer connection: %s", exc)
             return
@@ -147,19 +149,6 @@ class DealerServer:
 
 def _bytes(t) -> memoryview:
     return memoryview(t.contiguous().numpy()).cast("B")
-
-
-class _OneShotListener:
-    """Adapter so Channel.accept can take an already-accepted socket."""
-
-    def __init__(self, sock: socket.socket):
-        self._sock = sock
-
-    def settimeout(self, t: float) -> None:
-        self._sock.settimeout(t)
-
-    def accept(self):
-        return self._sock, None
 
 
 class DealerLink:

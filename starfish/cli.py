@@ -22,7 +22,7 @@ def _keys_init(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="starfish",
-        description="Secure two-party federated unlearning (Starfish): runtime, demo, benchmarks.",
+        description="Secure two-party federated unlearning (Starfish): service daemons, demo, lab, benchmarks.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -35,9 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from starfish import demo
 
-    d = sub.add_parser("demo", help="two-party demonstration of the runtime (two processes + dealer)")
+    d = sub.add_parser("demo", help="the service end to end: dealer, two servers, 20 clients, 2PC "
+                                    "unlearning of a backdoor client (--runtime: the 2PC runtime alone)")
     demo.add_arguments(d)
     d.set_defaults(func=lambda a: demo.main(args=a))
+
+    from starfish import service_commands
+
+    service_commands.add_commands(sub)
 
     from bench import lab
 

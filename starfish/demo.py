@@ -1,68 +1,318 @@
-"""`make demo` / `starfish demo`: the two-party runtime at work, end to end.
+"""`make demo` / `starfish demo`: the whole service on this machine, end to end.
 
-Until the server daemons exist, the demo shows the runtime itself: a client splits two
-vectors into additive shares (numpy only), two server processes receive one share each
-over the launcher, multiply and compare them under 2PC with a dealer process supplying
-Beaver triples over TLS, and open only the results. It prints what each party computed
-next to the plaintext answer, and what it cost per step.
+What it does (DESIGN.md 4.4, issue 6):
+
+1. writes a scratch deployment: a CA and certificates (servers, dealer, admin, 20 clients)
+   and a config on free loopback ports;
+2. starts the dealer and both servers as separate processes (``starfish dealer``,
+   ``starfish server --party 1|0``), waits until both answer;
+3. runs 20 simulated clients on the digits (``starfish clients``; client 0 poisons half its
+   data with a backdoor trigger and boosts its update): 40 rounds of FL on secret shares,
+   then client 0 asks to be forgotten and the servers run Starfish under 2PC, the other
+   clients answering the correction tasks;
+4. compares, on the plaintext twin the simulator recorded: plaintext retraining,
+   FedRecover and the plaintext Starfish, with the 2PC result (TER, BA-ASR);
+5. prints the report (selected rounds, per-step communication, wall time) and stops
+   every process it started, also on Ctrl-C or failure.
+
+``starfish demo --runtime`` is the older demonstration of the 2PC runtime alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
 
-import numpy as np
-
-from mpc import encoding, run_parties, sharing
+__all__ = ["add_arguments", "main", "ProcessGroup"]
 
 
-def _servers(party, x_shares, y_shares):
-    mine = 0 if party.rank == 0 else 1
-    with party.meter("load shares"):
-        x = party.wrap_share(x_shares[mine])
-        y = party.wrap_share(y_shares[mine])
-    with party.meter("x*y"):
-        prod = x * y
-    with party.meter("x>=y"):
-        ge = x >= y
-    with party.meter("open"):
-        return prod.reveal().numpy().copy(), ge.get_plain_text().numpy().copy()
+class ProcessGroup:
+    """Child processes of the demo, each logging to its own file; stopped together."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        p = subprocess.Popen([sys.executable, "-m", "starfish.cli", *argv], stdout=log,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, env=env)
+        log.close()
+        self.procs[name] = p
+        return p
+
+    def check_alive(self, *names: str) -> None:
+        for n in names:
+            rc = self.procs[n].poll()
+            if rc is not None:
+                tail = (self.log_dir / f"{n}.log").read_text(errors="replace").splitlines()[-15:]
+                raise RuntimeError(f"{n} exited with code {rc}:\n  " + "\n  ".join(tail))
+
+    def stop(self, name: str, grace: float = 10.0) -> None:
+        p = self.procs.get(name)
+        if p is None or p.poll() is not None:
+            return
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+    def stop_all(self) -> None:
+        for name in reversed(list(self.procs)):
+            self.stop(name)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--n", type=int, default=8, help="vector length (default 8)")
-    p.add_argument("--seed", type=int, default=4, help="seed of the demo input values (default 4)")
+    p.add_argument("--runtime", action="store_true", help="the 2PC runtime demo instead of the service")
+    p.add_argument("--clients", type=int, default=20, help="simulated clients (20)")
+    p.add_argument("--rounds", type=int, default=40, help="FL rounds (40)")
+    p.add_argument("--workdir", help="deployment directory (default: a new temporary one, removed "
+                                     "after a successful run)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary deployment directory")
+    p.add_argument("--timeout", type=float, default=540.0, help="give up after this many seconds (540)")
+    p.add_argument("--n", type=int, default=8, help="--runtime: vector length (8)")
+    p.add_argument("--seed", type=int, default=4, help="--runtime: seed of the input values (4)")
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _wait_ready(cfg: Any, procs: ProcessGroup, deadline: float) -> None:
+    """Poll both servers' client API (as admin) until they answer."""
+    from clients.service_client import ServiceClient  # noqa: PLC0415
+    from mpc.channel import ChannelError  # noqa: PLC0415
+
+    for p in (0, 1):
+        while True:
+            procs.check_alive("dealer", "server0", "server1")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server {p} did not answer in time")
+            try:
+                with ServiceClient(cfg.keys_dir, "admin", p, cfg.server(p).api().address,
+                                   connect_timeout=1.0) as c:
+                    c.call("status")
+                break
+            except ChannelError:
+                continue  # connect() already waited up to 1 s for the port
+
+
+def _follow(path: Path, offset: int) -> int:
+    """Print the lines appended to ``path`` since ``offset``; return the new offset."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return offset
+    end = data.rfind(b"\n") + 1
+    for line in data[:end].decode(errors="replace").splitlines():
+        if line.startswith("clients:") or "requested unlearning" in line:
+            _say("  " + line)
+    return offset + end
+
+
+def _fetch_results(cfg: Any, job: str) -> list[dict]:
+    import numpy as np  # noqa: PLC0415
+
+    from clients.service_client import ServiceClient  # noqa: PLC0415
+    from servers import wire  # noqa: PLC0415
+
+    out = []
+    for p in (0, 1):
+        with ServiceClient(cfg.keys_dir, "admin", p, cfg.server(p).api().address) as c:
+            rec = c.call("job_status", job=job, with_model=True)
+        t = rec["model"]
+        rec["model"] = wire.decode_tensor(t, "model", ("<f8",), tuple(t["shape"])).astype(np.float64)
+        out.append(rec)
+    return out
+
+
+def _comm_table(meters0: dict, meters1: dict) -> list[str]:
+    rows = ["step          rounds   online bytes  offline bytes   seconds",
+            "------------  ------  -------------  -------------  --------"]
+    order = ["setup", "TD", "RS", "UE", "TC", "correction", "aggregate"]
+    steps = [s for s in order if s in meters0["steps"]] + sorted(
+        s for s in meters0["steps"] if s not in order and "/" not in s)
+    for s in steps:
+        a, b = meters0["steps"][s], meters1["steps"].get(s, {})
+        online = a["online_bytes_sent"] + a["online_bytes_received"]
+        offline = sum(r.get("offline_bytes_sent", 0) + r.get("offline_bytes_received", 0) for r in (a, b))
+        rows.append(f"{s:<12}  {a['online_rounds']:>6}  {online:>13,}  {offline:>13,}  "
+                    f"{max(a['seconds'], b.get('seconds', 0.0)):>8.2f}")
+    t0, t1 = meters0["total"], meters1["total"]
+    rows.append(f"{'total':<12}  {t0['online_rounds']:>6}  "
+                f"{t0['online_bytes_sent'] + t0['online_bytes_received']:>13,}  "
+                f"{sum(t['offline_bytes_sent'] + t['offline_bytes_received'] for t in (t0, t1)):>13,}  "
+                f"{max(t0['seconds'], t1['seconds']):>8.2f}")
+    return rows
+
+
+def _baselines(cfg: Any, twin_dir: Path, n: int, target: int, model_2pc: Any) -> tuple[list, dict]:
+    """Plaintext retrain, FedRecover and Starfish on the twin; metrics of every model."""
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    from clients.metrics import Evaluator  # noqa: PLC0415
+    from clients.simulator import build_federation  # noqa: PLC0415
+    from servers.history import NpzHistory  # noqa: PLC0415
+    from servers.metrics import l2_distance  # noqa: PLC0415
+    from servers.recovery import FedRecover, Retrain  # noqa: PLC0415
+    from servers.unlearning import run_stage2  # noqa: PLC0415
+    from servers.unlearning_jobs import starfish_params  # noqa: PLC0415
+    from starfish.service_commands import federation_spec  # noqa: PLC0415
+
+    spec = federation_spec(cfg, _sim_args(n, target))
+    fed = build_federation(spec)
+    twin = NpzHistory(twin_dir)
+    tc = fed.clients[target]
+    evaluate = Evaluator(fed.factory, fed.data.x_test, fed.data.y_test, tc.clean_x, tc.clean_y,
+                         fed.trigger, spec.target_label)
+
+    class _Plain:
+        def exact_updates(self, r: int, model: torch.Tensor, ids: list[int]) -> dict:
+            return {j: fed.clients[j].train(model, r).update.to(torch.float64) for j in ids}
+
+    t = time.perf_counter()
+    plain = run_stage2(None, twin, [target], starfish_params(cfg), _Plain())
+    t_plain = time.perf_counter() - t
+    retrained, c_re = Retrain().unlearn(twin, [target], fed.clients)
+    recovered, c_fr = FedRecover(buffer=cfg.unlearning.buffer, beta=cfg.unlearning.beta,
+                                 warmup=cfg.unlearning.buffer).unlearn(twin, [target], fed.clients)
+    m2pc = torch.from_numpy(np.asarray(model_2pc))
+    rows = [
+        ("original M_T (with client %d)" % target, twin.model(twin.num_rounds), float("nan")),
+        ("Starfish, 2PC (the servers)", m2pc, None),
+        ("Starfish, plaintext twin", plain.model, t_plain),
+        ("retrain, plaintext", retrained, c_re.wall_time_s),
+        ("FedRecover, plaintext", recovered, c_fr.wall_time_s),
+    ]
+    table = []
+    for name, model, secs in rows:
+        m = evaluate(model.to(torch.float64))
+        table.append((name, m["ter"], m["ba_asr"], l2_distance(model, retrained), secs))
+    extra = {"plain_selected": plain.selected_rounds,
+             "max_abs_2pc_vs_plain": float((m2pc - plain.model.to(torch.float64)).abs().max())}
+    return table, extra
+
+
+def _sim_args(n: int, target: int) -> argparse.Namespace:
+    return argparse.Namespace(dataset=None, data_dir=None, n=n, seed=None, backdoor=str(target),
+                              epochs=None, lr=None, train_limit=None)
+
+
+def run_service_demo(args: argparse.Namespace) -> int:
+    from servers.service_config import load_config, write_scratch_deployment  # noqa: PLC0415
+
+    t_start = time.monotonic()
+    deadline = t_start + args.timeout
+    temp = args.workdir is None
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="starfish-demo-"))
+    target = 0
+    _say(f"[1/5] keys and config for a loopback deployment in {work}")
+    cfg_path = write_scratch_deployment(work, clients=args.clients, overrides={
+        "fl": {"rounds": args.rounds, "round_deadline": 120.0}})
+    cfg = load_config(cfg_path)
+    procs = ProcessGroup(work / "logs")
+    ok = False
+    try:
+        _say("[2/5] starting the dealer, server 1 and server 0 (separate processes, TLS 1.3)")
+        env = {k: v for k, v in os.environ.items() if k != "STARFISH_CRASH_AT"}
+        procs.start("dealer", ["dealer", "--config", str(cfg_path)], env)
+        procs.start("server1", ["server", "--party", "1", "--config", str(cfg_path)], env)
+        procs.start("server0", ["server", "--party", "0", "--config", str(cfg_path)], env)
+        _wait_ready(cfg, procs, deadline)
+        _say(f"[3/5] {args.clients} clients train {args.rounds} rounds on the digits (client {target} "
+             f"has a backdoor), sharing every upload between the servers; then client {target} "
+             "asks to be forgotten and the servers run Starfish in 2PC")
+        t_fl = time.monotonic()
+        clients = procs.start("clients", [
+            "clients", "--config", str(cfg_path), "--n", str(args.clients), "--backdoor", str(target),
+            "--unlearn", str(target), "--twin-dir", str(work / "twin"), "--summary",
+            str(work / "clients.json"), "--max-seconds", str(max(30.0, deadline - time.monotonic()))], env)
+        offset = 0
+        while clients.poll() is None:
+            procs.check_alive("dealer", "server0", "server1")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the clients did not finish within {args.timeout:.0f}s")
+            offset = _follow(work / "logs" / "clients.log", offset)
+            time.sleep(0.5)  # the clients' log is the progress display
+        _follow(work / "logs" / "clients.log", offset)
+        procs.check_alive("dealer", "server0", "server1")
+        if clients.returncode != 0:
+            procs.check_alive("clients")
+        t_clients = time.monotonic() - t_fl
+        summary = json.loads((work / "clients.json").read_text())
+        job = next(iter(summary["jobs"]))
+        recs = _fetch_results(cfg, job)
+        for r in recs:
+            if r["state"] != "done":
+                raise RuntimeError(f"job {job} ended {r['state']}: {r.get('error')}")
+        import numpy as np  # noqa: PLC0415
+
+        same = bool(np.array_equal(recs[0]["model"], recs[1]["model"]))
+        res0, res1 = recs[0]["result"], recs[1]["result"]
+        _say("[4/5] plaintext baselines on the twin history (retrain, FedRecover, Starfish)")
+        table, extra = _baselines(cfg, work / "twin", args.clients, target, recs[0]["model"])
+        _say("[5/5] report\n")
+        _say(f"FL: {summary['T']} rounds, {args.clients} clients; every published model equals "
+             f"plaintext FedAvg of the clients' updates within {summary['fedavg_max_abs_error']:.1e}")
+        _say(f"unlearning job {job}: requested by client-{target}; both servers published the "
+             f"{'same' if same else 'DIFFERENT'} model; 2PC vs plaintext twin: max |diff| = "
+             f"{extra['max_abs_2pc_vs_plain']:.1e}\n")
+        _say(f"{'model':<32}{'TER%':>7}{'BA-ASR%':>9}{'L2 to retrain':>15}{'seconds':>9}")
+        for name, ter, asr, l2, secs in table:
+            s = res0["wall_seconds"] if secs is None else secs
+            st = "-" if s != s else f"{s:.1f}"
+            _say(f"{name:<32}{100 * ter:>7.1f}{100 * asr:>9.1f}{l2:>15.4f}{st:>9}")
+        _say(f"\nselected rounds (2PC): {res0['selected_rounds']}  (plaintext: {extra['plain_selected']})")
+        _say(f"threshold checks at replay steps {res0['correction_steps']}, warm-up steps "
+             f"{res0['warmup_steps']}; exact updates asked per remaining client: "
+             f"{sorted(set(res0['client_exact_updates'].values()))} of {summary['T']} rounds")
+        _say("\ncommunication of the 2PC job (online = server<->server, both directions; offline = "
+             "dealer<->servers):")
+        for line in _comm_table(res0["meters"], res1["meters"]):
+            _say("  " + line)
+        total = time.monotonic() - t_start
+        _say(f"\nwall time: FL + unlearning (clients process) {t_clients:.0f}s, 2PC job "
+             f"{res0['wall_seconds']:.0f}s, whole demo {total:.0f}s")
+        ok = same
+        return 0 if ok else 1
+    finally:
+        procs.stop_all()
+        if ok and temp and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            _say(f"(deployment, logs and results kept in {work})")
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
     if args is None:
-        parser = argparse.ArgumentParser(prog="starfish demo", description=__doc__)
+        parser = argparse.ArgumentParser(prog="starfish demo", description=__doc__.split("\n\n")[0])
         add_arguments(parser)
         args = parser.parse_args(argv)
-    rng = np.random.default_rng(args.seed)
-    x = np.round(rng.normal(size=args.n) * 10, 3)
-    y = np.round(rng.normal(size=args.n) * 10, 3)
-    y[0] = x[0]  # a tie, to show >= on equal values
-    print("client: splitting x and y into additive shares over Z_2^64 (share 0 as a 16-byte seed)")
-    xs, ys = sharing.share(x, compress=True), sharing.share(y, compress=True)
-    res = run_parties(_servers, (xs.materialize_share0(), xs.share1), (ys.materialize_share0(), ys.share1))
-    np.set_printoptions(precision=3, suppress=True, linewidth=120)
-    print(f"x           = {x}\ny           = {y}")
-    for rank, (prod_ring, ge) in enumerate(res.values):
-        print(f"server{rank}: x*y  = {encoding.decode(prod_ring)}")
-        print(f"server{rank}: x>=y = {ge.astype(int)}")
-    print(f"numpy:   x*y  = {x * y}\nnumpy:   x>=y = {(x >= y).astype(int)}")
-    print("\ncost (per step; bytes summed over both directions of the server<->server link;")
-    print("offline = dealer->server1 corrections; server0 derives its triples from a seed):")
-    print(f"{'step':<12}{'rounds':>8}{'online bytes':>15}{'offline bytes':>15}{'seconds':>10}")
-    m0, m1 = res.meters
-    for step in ("load shares", "x*y", "x>=y", "open"):
-        a, b = m0["steps"][step], m1["steps"][step]
-        online = a["online_bytes_sent"] + a["online_bytes_received"]
-        offline = sum(r["offline_bytes_sent"] + r["offline_bytes_received"] for r in (a, b))
-        print(f"{step:<12}{a['online_rounds']:>8}{online:>15,}{offline:>15,}{max(a['seconds'], b['seconds']):>10.3f}")
-    ok = np.allclose(encoding.decode(res.values[0][0]), x * y, atol=1e-3) and np.array_equal(
-        res.values[0][1].astype(bool), x >= y)
-    print("\nresult matches numpy:", "yes" if ok else "NO")
-    return 0 if ok else 1
+    if args.runtime:
+        from starfish import runtime_demo  # noqa: PLC0415
+
+        return runtime_demo.main(args=args)
+    try:
+        return run_service_demo(args)
+    except KeyboardInterrupt:
+        print("\nstarfish demo: interrupted; every process it started was stopped", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"starfish demo: {exc}", file=sys.stderr)
+        return 1

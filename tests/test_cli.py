@@ -15,7 +15,7 @@ STARFISH = [sys.executable, "-m", "starfish.cli"]
 def test_help_lists_the_commands(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out
-    for cmd in ("keys", "demo", "bench"):
+    for cmd in ("keys", "demo", "bench", "server", "dealer", "clients", "unlearn", "status"):
         assert cmd in out
 
 
@@ -34,8 +34,38 @@ def test_keys_init_writes_a_ca_and_private_keys_and_refuses_to_overwrite(tmp_pat
     assert (d / "ca.pem").read_bytes() == before
 
 
-def test_demo_runs_two_parties_and_matches_numpy():
-    proc = subprocess.run(STARFISH + ["demo"], capture_output=True, text=True, timeout=300)
+def test_runtime_demo_runs_two_parties_and_matches_numpy():
+    proc = subprocess.run(STARFISH + ["demo", "--runtime"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "result matches numpy: yes" in proc.stdout
     assert "x>=y" in proc.stdout and "offline bytes" in proc.stdout
+
+
+def test_service_demo_small_run_reports_and_stops_everything(tmp_path):
+    """`starfish demo` with 4 clients and 5 rounds: the report, then no process left behind."""
+    work = tmp_path / "demo"
+    proc = subprocess.run(STARFISH + ["demo", "--clients", "4", "--rounds", "5", "--workdir", str(work)],
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for needle in ("Starfish, 2PC (the servers)", "retrain, plaintext", "FedRecover, plaintext",
+                   "selected rounds (2PC)", "both servers published the same model", "online bytes",
+                   "wall time"):
+        assert needle in out, needle
+    pids = [int(json_pid) for json_pid in _pids(work)]
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"process {pid} still runs"
+
+
+def _pids(work):
+    import json
+
+    for p in (0, 1):
+        yield json.loads((work / "data" / f"server{p}" / "ready.json").read_text())["pid"]
+
+
+def _is_zombie(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True

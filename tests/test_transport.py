@@ -198,3 +198,27 @@ def test_link_emulation_matches_the_analytic_model():
         assert abs(measured - analytic) / analytic < 0.10, (step, measured, analytic)
     assert res.meters[0]["steps"]["latency"]["online_rounds"] == k
     assert res.meters[0]["steps"]["latency"]["seconds"] >= k * latency
+
+
+def test_oversized_frame_is_refused_by_a_capped_channel(keys):
+    listener = chmod.listen()
+    ctx = tls.server_context(tls.identity(keys, "server1"))
+    got = {}
+
+    def serve():
+        ch = Channel.accept(listener, ctx, "server0", timeout=10, max_frame=1024)
+        try:
+            ch.recv_frame(chmod.KIND_OBJECT)
+        except chmod.ChannelError as exc:
+            got["error"] = exc
+        ch.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    client = Channel.connect(listener.getsockname(), tls.client_context(tls.identity(keys, "server0")),
+                             "server1", timeout=10)
+    client.send_frame(chmod.KIND_OBJECT, b"x" * 4096)
+    t.join(10)
+    client.close()
+    assert isinstance(got.get("error"), chmod.ProtocolError)
+    assert "exceeds the limit of 1024" in str(got["error"])

@@ -1,0 +1,37 @@
+"""``starfish dealer``: the correlated-randomness daemon at the config's address.
+
+Why a separate process: the dealer is the third non-colluding party (DESIGN.md 4.3). It
+receives no data, only the request sizes of each 2PC session, and serves any number of
+sessions (one per unlearning job) with ``mpc.dealer.DealerServer``; only certificates
+``server0``/``server1`` of the deployment's CA are accepted, each for its own rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from mpc import tls
+from mpc.dealer import DealerServer
+
+from .service_config import ServiceConfig
+
+__all__ = ["run_dealer"]
+
+log = logging.getLogger("starfish.dealer")
+
+
+def run_dealer(cfg: ServiceConfig, stop: threading.Event) -> None:
+    """Serve until ``stop`` is set."""
+    server = DealerServer(tls.identity(cfg.keys_dir, tls.DEALER_NAME), host=cfg.dealer.host,
+                          port=cfg.dealer.port, timeout=cfg.dealer.timeout,
+                          max_frame=cfg.limits.max_frame_bytes)
+    t = threading.Thread(target=server.serve_forever, name="dealer", daemon=True)
+    t.start()
+    log.info("dealer ready on %s:%d", *server.address)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.stop()
+        t.join(5)

@@ -1,0 +1,151 @@
+"""The control link between the two servers: request/reply over mutually authenticated TLS.
+
+Why a separate link from the 2PC session: FL rounds need only small agreements (which
+clients reached both servers, the exchange of aggregate shares) at any time, while a 2PC
+session (``mpc.session.open_party``, with its dealer connection and CrypTen's global
+communicator) exists only for the duration of one unlearning job. Server 0 leads: it
+sends one request at a time and server 1 answers, so the two can never wait for each
+other. Server 1 listens (``peer_port``) and requires the certificate ``server0``; server
+0 requires ``server1``. Both sides survive the other's restart: server 0 reconnects on
+its next request, server 1 accepts the new connection and drops the old one.
+
+Messages are msgpack maps (``servers.wire.pack``); replies ``{"ok": true, ...}`` or
+``{"ok": false, "error": str}``. The peer is a server of the same deployment, but its
+messages are still size-bounded and type-checked by the handlers.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from mpc import tls
+from mpc.channel import KIND_OBJECT, Channel, ChannelError, PeerTimeout
+
+from . import wire
+
+__all__ = ["PeerUnavailable", "PeerRefused", "PeerClient", "PeerServer"]
+
+log = logging.getLogger("starfish.peer")
+
+
+class PeerUnavailable(ConnectionError):
+    """The other server cannot be reached (down, restarting, or the link broke)."""
+
+
+class PeerRefused(RuntimeError):
+    """The other server answered the request with an error."""
+
+
+class PeerClient:
+    """Server 0's end: ``call(op, **fields)`` sends one request and returns the reply map."""
+
+    def __init__(self, keys_dir: Any, address: tuple[str, int], *, timeout: float,
+                 max_bytes: int, connect_timeout: float = 2.0) -> None:
+        self._ctx = tls.client_context(tls.identity(keys_dir, tls.PARTY_NAMES[0]))
+        self._address = address
+        self._timeout = timeout
+        self._max = max_bytes
+        self._connect_timeout = connect_timeout
+        self._ch: Channel | None = None
+        self._lock = threading.Lock()
+
+    def _channel(self) -> Channel:
+        if self._ch is None:
+            try:
+                self._ch = Channel.connect(self._address, self._ctx, tls.PARTY_NAMES[1], kind="online",
+                                           timeout=self._timeout, connect_timeout=self._connect_timeout)
+            except ChannelError as exc:
+                raise PeerUnavailable(f"server 1 at {self._address} unreachable: {exc}") from exc
+            log.info("control link to server 1 at %s:%d established", *self._address)
+        return self._ch
+
+    def call(self, op: str, **fields: Any) -> dict:
+        with self._lock:
+            ch = self._channel()
+            try:
+                ch.send_frame(KIND_OBJECT, wire.pack({"op": op, **fields}))
+                reply = wire.unpack(ch.recv_frame(KIND_OBJECT), self._max)
+            except (ChannelError, wire.WireError) as exc:
+                self._drop()
+                raise PeerUnavailable(f"control link to server 1 failed during {op!r}: {exc}") from exc
+        if reply.get("ok") is not True:
+            raise PeerRefused(f"server 1 refused {op!r}: {reply.get('error', '(no reason)')}")
+        return reply
+
+    def _drop(self) -> None:
+        if self._ch is not None:
+            self._ch.close()
+            self._ch = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+
+class PeerServer:
+    """Server 1's end: accepts server 0 and answers its requests with ``handler``.
+
+    ``handler(op, msg) -> dict`` returns the reply fields or raises; any exception becomes
+    an ``{"ok": false}`` reply with its message (the link stays up).
+    """
+
+    def __init__(self, keys_dir: Any, listener: socket.socket,
+                 handler: Callable[[str, dict], dict], *, timeout: float, max_bytes: int,
+                 stop: threading.Event) -> None:
+        self._ctx = tls.server_context(tls.identity(keys_dir, tls.PARTY_NAMES[1]))
+        self._listener = listener
+        self._handler = handler
+        self._timeout = timeout
+        self._max = max_bytes
+        self._stop = stop
+        self._current: Channel | None = None
+        self._lock = threading.Lock()
+
+    def serve_forever(self) -> None:
+        self._listener.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            threading.Thread(target=self._serve, args=(sock,), name="peer-link", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            ch = Channel.wrap_accepted(sock, self._ctx, tls.PARTY_NAMES[0], kind="online",
+                                timeout=self._timeout)
+        except ChannelError as exc:
+            log.warning("refused a control-link connection: %s", exc)
+            return
+        with self._lock:
+            old, self._current = self._current, ch
+        if old is not None:
+            old.close()  # server 0 reconnected (e.g. after a restart): the new link wins
+        log.info("control link from server 0 established")
+        try:
+            while not self._stop.is_set():
+                try:
+                    buf = ch.recv_frame(KIND_OBJECT)
+                except PeerTimeout:
+                    continue  # an idle leader is fine
+                try:
+                    msg = wire.unpack(buf, self._max)
+                    op = msg.get("op")
+                    if not isinstance(op, str):
+                        raise ValueError("control message without an op")
+                    reply = {"ok": True, **self._handler(op, msg)}
+                except Exception as exc:  # noqa: BLE001 - reported to server 0, link stays up
+                    if not isinstance(exc, (ValueError, KeyError, LookupError, RuntimeError)):
+                        log.exception("control request failed")
+                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+                ch.send_frame(KIND_OBJECT, wire.pack(reply))
+        except ChannelError as exc:
+            log.info("control link from server 0 closed: %s", exc)
+        finally:
+            ch.close()

@@ -1,0 +1,202 @@
+"""Running one unlearning job on a server: a fresh 2PC session, Stage II, the result on disk.
+
+Why one session per job: a 2PC session holds CrypTen's process-wide communicator and a
+dealer session whose seeds must not be reused across computations; opening it per job
+(server 1 accepts on ``mpc_port``, server 0 connects, both reach the dealer) keeps the
+daemon's idle state free of half-open sessions and gives each job its own meter, whose
+per-step rows are the job's communication report.
+
+The history is pinned to the T rounds both servers agreed on when the job started, so a
+round committed meanwhile (it cannot be, the leader does not close rounds during a job,
+but the pin makes that independent of scheduling) would not change what Stage II reads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mpc.channel import KIND_OBJECT
+
+from . import wire
+from .correction_tasks import LockstepError, ServiceCorrectionClients, TaskBoard
+from .ring_aggregation import model_digest
+from .service_config import ServiceConfig
+
+__all__ = ["run_job", "starfish_params", "write_result", "read_result", "PinnedHistory"]
+
+log = logging.getLogger("starfish.jobs")
+
+
+def starfish_params(cfg: ServiceConfig) -> Any:
+    from .unlearning import StarfishParams  # noqa: PLC0415
+
+    u = cfg.unlearning
+    return StarfishParams(sigma=u.sigma, beta=u.beta, buffer=u.buffer, method=u.rs_method,
+                          t_delta=u.t_delta, server_lr=None)
+
+
+def job_params(cfg: ServiceConfig) -> dict[str, Any]:
+    """The public parameters recorded with a job (identical on both servers)."""
+    u = cfg.unlearning
+    return {"sigma": u.sigma, "beta": u.beta, "buffer": u.buffer, "rs_method": u.rs_method,
+            "t_delta": u.t_delta}
+
+
+def _pinned_history_class() -> type:
+    from .history import History  # noqa: PLC0415 - imports torch
+
+    class _Pinned(History):
+        """A History view that exposes rounds 1..T only."""
+
+        def __init__(self, inner: History, rounds: int) -> None:
+            if rounds > inner.num_rounds:
+                raise ValueError(f"history has {inner.num_rounds} rounds, job needs {rounds}")
+            self.inner = inner
+            self._T = rounds
+            self.holds_shares = getattr(inner, "holds_shares", False)
+
+        @property
+        def num_rounds(self) -> int:
+            return self._T
+
+        @property
+        def server_lr(self) -> float:
+            return self.inner.server_lr
+
+        def _check(self, i: int) -> None:
+            if not 1 <= i <= self._T:
+                raise IndexError(f"round {i} not in 1..{self._T}")
+
+        def model(self, i: int) -> Any:
+            if not 0 <= i <= self._T:
+                raise IndexError(f"model {i} not in 0..{self._T}")
+            return self.inner.model(i)
+
+        def participants(self, i: int) -> tuple[int, ...]:
+            self._check(i)
+            return self.inner.participants(i)
+
+        def weights(self, i: int) -> Mapping[int, float]:
+            self._check(i)
+            return self.inner.weights(i)
+
+        def update(self, i: int, client: int) -> Any:
+            self._check(i)
+            return self.inner.update(i, client)
+
+        def norm(self, i: int, client: int) -> Any:
+            self._check(i)
+            return self.inner.norm(i, client)
+
+        def delta(self, i: int, client: int) -> Any:
+            self._check(i)
+            return self.inner.delta(i, client)
+
+        def append_round(self, record: Any) -> None:
+            raise RuntimeError("a pinned history is read-only")
+
+    return _Pinned
+
+
+def PinnedHistory(inner: Any, rounds: int) -> Any:  # noqa: N802 - a class built lazily
+    return _pinned_history_class()(inner, rounds)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def write_result(results_dir: Path, job: str, model: np.ndarray, summary: dict[str, Any]) -> Path:
+    """``<job>.npy`` (the public unlearned model) and ``<job>.json``; returns the JSON path."""
+    results_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    import io  # noqa: PLC0415
+
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(model, dtype=np.float64))
+    _atomic_write(results_dir / f"{job}.npy", buf.getvalue())
+    path = results_dir / f"{job}.json"
+    _atomic_write(path, json.dumps(summary, indent=1, default=float).encode())
+    return path
+
+
+def read_result(json_path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarray]:
+    p = Path(json_path)
+    summary = json.loads(p.read_text())
+    model = np.load(p.with_suffix(".npy"), allow_pickle=False)
+    return summary, model
+
+
+def run_job(*, rank: int, cfg: ServiceConfig, store: Any, board: TaskBoard, job_id: str,
+            targets: list[int], rounds: int, results_dir: Path,
+            mpc_listener: socket.socket | None, stop: threading.Event,
+            progress: Callable[[float, str], None] | None = None) -> Path:
+    """Open the 2PC session, run Stage II on this party's shares, write and return the result."""
+    import torch  # noqa: PLC0415
+
+    from mpc.session import open_party  # noqa: PLC0415 - loads CrypTen
+
+    from .unlearning import run_stage2  # noqa: PLC0415
+
+    timeout = max(cfg.unlearning.session_timeout, cfg.unlearning.correction_timeout + 60.0)
+    t0 = time.perf_counter()
+    party = open_party(
+        rank, cfg.keys_dir,
+        peer_listener=mpc_listener if rank == 1 else None,
+        peer_address=cfg.server1.mpc().address if rank == 0 else None,
+        dealer_address=cfg.dealer.endpoint().address,
+        timeout=timeout,
+    )
+    try:
+        # both parties say which job they run before computing anything
+        party.channel.send_frame(KIND_OBJECT, wire.pack({"job": job_id, "rounds": rounds,
+                                                         "targets": targets}))
+        other = wire.unpack(party.channel.recv_frame(KIND_OBJECT), 1 << 16)
+        if other != {"job": job_id, "rounds": rounds, "targets": targets}:
+            raise LockstepError(f"the other server started {other}, we started job {job_id}")
+        history = PinnedHistory(store.history(wrap=party.wrap_share), rounds)
+        clients = ServiceCorrectionClients(board, party, job_id, timeout=cfg.unlearning.correction_timeout,
+                                           dim=store.dim, precision=store.precision, stop=stop)
+
+        def on_step(done: int, total: int, info: str) -> None:
+            if progress is not None:
+                progress(done / max(1, total), info)
+
+        result = run_stage2(party, history, targets, starfish_params(cfg), clients, progress=on_step)
+        model = result.model.detach().to(torch.float64).numpy().copy()
+        digest = model_digest(model)
+        party.channel.send_frame(KIND_OBJECT, wire.pack({"job": job_id, "model_sha256": digest}))
+        other = wire.unpack(party.channel.recv_frame(KIND_OBJECT), 1 << 16)
+        if other.get("model_sha256") != digest:
+            raise LockstepError(f"job {job_id}: the servers computed different models")
+        meters = party.meters()
+    finally:
+        party.close()
+        board.close_job(job_id)
+    summary = {
+        "job": job_id, "targets": targets, "rounds": rounds, **result.to_json(),
+        "model_sha256": digest, "wall_seconds": time.perf_counter() - t0,
+        "client_exact_updates": {str(k): v for k, v in sorted(clients.requested.items())},
+        "meters": meters,
+    }
+    return write_result(results_dir, job_id, model, summary)

@@ -1,0 +1,330 @@
+"""The service's commands: server, dealer, clients, unlearn, status, init-deployment.
+
+Why a module of its own: ``starfish/cli.py`` only wires sub-commands; these functions read
+the config, set up logging and signals, and call into ``servers``/``clients``. Heavy
+imports (torch, CrypTen) happen inside the functions, so ``starfish --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from servers.service_config import ConfigError, load_config
+
+__all__ = ["add_commands"]
+
+
+def _logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def _on_signals(stop: Any) -> None:
+    def handler(signum: int, _frame: Any) -> None:
+        logging.getLogger("starfish").info("signal %d: stopping", signum)
+        stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _config(args: argparse.Namespace):
+    try:
+        return load_config(args.config)
+    except ConfigError as exc:
+        print(f"starfish {args.command}: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+# ------------------------------------------------------------------ daemons
+def cmd_server(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    _logging(args.log_level)
+    import torch  # noqa: PLC0415
+
+    from servers.server_daemon import ServerDaemon, install_crash_points  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    install_crash_points(os.environ.get("STARFISH_CRASH_AT"))
+    daemon = ServerDaemon(cfg, args.party)
+    _on_signals(daemon.stop)
+    daemon.serve_forever()
+    return 0
+
+
+def cmd_dealer(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    _logging(args.log_level)
+    from servers.dealer_daemon import run_dealer  # noqa: PLC0415
+
+    stop = threading.Event()
+    _on_signals(stop.set)
+    run_dealer(cfg, stop)
+    return 0
+
+
+# ------------------------------------------------------------------ simulated clients
+def federation_spec(cfg: Any, args: argparse.Namespace) -> Any:
+    """The simulator's FederationSpec: command line, then [clients]/[model], then lab defaults."""
+    from bench.lab import DATASET_DEFAULTS  # noqa: PLC0415
+    from clients.simulator import FederationSpec  # noqa: PLC0415
+    from servers.initial_model import architecture_of  # noqa: PLC0415
+
+    dataset = args.dataset or cfg.clients.dataset
+    if dataset != cfg.model.dataset:
+        raise ConfigError(f"clients train on {dataset} but the servers' [model] dataset is "
+                          f"{cfg.model.dataset}")
+    d = DATASET_DEFAULTS[dataset]
+    backdoor = tuple(int(x) for x in str(args.backdoor or "").split(",") if x.strip())
+    return FederationSpec(
+        dataset=dataset, data_dir=args.data_dir or cfg.clients.data_dir or None,
+        n=args.n, seed=cfg.clients.seed if args.seed is None else args.seed,
+        partition=cfg.clients.partition, architecture=architecture_of(cfg.model), l2=cfg.model.l2,
+        epochs=args.epochs or d["epochs"], lr=args.lr or d["lr"], batch_size=d["batch_size"],
+        alpha=cfg.unlearning.alpha, backdoor=backdoor, poison_fraction=d["poison_fraction"],
+        boost=d.get("boost", 1.0), train_limit=args.train_limit)
+
+
+def cmd_clients(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    _logging(args.log_level)
+    import torch  # noqa: PLC0415
+
+    from clients.simulator import Simulator, build_federation, write_summary  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    try:
+        spec = federation_spec(cfg, args)
+    except ConfigError as exc:
+        print(f"starfish clients: {exc}", file=sys.stderr)
+        return 2
+    fed = build_federation(spec)
+    ids = list(range(args.first_id, args.first_id + args.n))
+    unlearn = [int(x) for x in str(args.unlearn or "").split(",") if x.strip()]
+    sim = Simulator(cfg, fed, ids, twin_dir=args.twin_dir, unlearn=unlearn,
+                    until=args.until or ("jobs" if unlearn else "training"),
+                    max_seconds=args.max_seconds)
+    stop_requested = threading.Event()
+
+    def stop() -> None:
+        stop_requested.set()
+        raise KeyboardInterrupt
+
+    _on_signals(stop)
+    try:
+        summary = sim.run()
+    except KeyboardInterrupt:
+        print("starfish clients: stopped", file=sys.stderr)
+        return 130
+    if args.summary:
+        write_summary(args.summary, summary)
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("participants",)}, default=str))
+    return 0
+
+
+# ------------------------------------------------------------------ admin / client tools
+def _connection(cfg: Any, party: int, args: argparse.Namespace):
+    from clients.service_client import ServiceClient  # noqa: PLC0415
+
+    ident = "admin" if getattr(args, "client", None) is None else f"client-{args.client}"
+    return ServiceClient(cfg.keys_dir, ident, party, cfg.server(party).api().address,
+                         max_bytes=cfg.limits.max_frame_bytes, connect_timeout=args.connect_timeout)
+
+
+def cmd_unlearn(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    from clients.service_client import ServiceError  # noqa: PLC0415
+    from mpc.channel import ChannelError  # noqa: PLC0415
+
+    if (args.client is None) == (not args.admin):
+        print("starfish unlearn: give --client ID (your own data) or --admin --targets IDS",
+              file=sys.stderr)
+        return 2
+    fields: dict[str, Any] = {"job": args.job or f"unlearn-{secrets.token_hex(6)}"}
+    if args.admin:
+        if not args.targets:
+            print("starfish unlearn: --admin needs --targets", file=sys.stderr)
+            return 2
+        fields["targets"] = sorted({int(x) for x in args.targets.split(",")})
+    conns = [_connection(cfg, p, args) for p in (0, 1)]
+    try:
+        for p, c in enumerate(conns):
+            rep = c.call("unlearn", retry_seconds=args.connect_timeout, **fields)
+            print(f"server{p}: job {rep['job']} {rep['state']}")
+        if args.wait:
+            deadline = time.monotonic() + args.wait
+            while time.monotonic() < deadline:
+                states = [c.call("job_status", job=fields["job"]) for c in conns]
+                print(f"job {fields['job']}: " + ", ".join(
+                    f"server{p} {s['state']} {100 * s['progress']:.0f}%" for p, s in enumerate(states)),
+                    file=sys.stderr)
+                if all(s["state"] in ("done", "failed", "cancelled") for s in states):
+                    _print_job(states[0])
+                    return 0 if all(s["state"] == "done" for s in states) else 1
+                time.sleep(2.0)  # a job takes minutes; a status line every 2 s
+            print(f"starfish unlearn: job not finished after {args.wait}s", file=sys.stderr)
+            return 1
+    except (ServiceError, ChannelError) as exc:
+        print(f"starfish unlearn: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for c in conns:
+            c.close()
+    return 0
+
+
+def _print_job(rec: dict) -> None:
+    print(f"job {rec['job']} ({rec['state']}, {100 * rec['progress']:.0f}%): requested by "
+          f"{rec['requester']}, targets {rec['targets']}" + (f", error: {rec['error']}" if rec.get("error") else ""))
+    res = rec.get("result")
+    if res:
+        print(f"  selected rounds: {res.get('selected_rounds')}")
+        print(f"  corrections at replay steps {res.get('correction_steps')}, warm-up steps "
+              f"{res.get('warmup_steps')}, wall time {res.get('wall_seconds', 0):.1f}s")
+
+
+def _save_model(job: dict, path: str | None, party: int) -> None:
+    """Write the job's result model (server 0's copy) as a .npy file."""
+    model = job.pop("model", None)
+    if path is None or party != 0:
+        return
+    if model is None:
+        print(f"job {job['job']} is {job['state']}: no model yet", file=sys.stderr)
+        return
+    import numpy as np  # noqa: PLC0415
+
+    from servers import wire  # noqa: PLC0415
+
+    np.save(path, wire.decode_tensor(model, "model", ("<f8",), tuple(model["shape"])))
+    print(f"wrote the unlearned model of job {job['job']} to {path}", file=sys.stderr)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    from clients.service_client import ServiceError  # noqa: PLC0415
+    from mpc.channel import ChannelError  # noqa: PLC0415
+
+    parties = [0, 1] if args.party is None else [args.party]
+    out: dict[str, Any] = {}
+    rc = 0
+    for p in parties:
+        try:
+            with _connection(cfg, p, args) as c:
+                st = c.call("status")
+                job = None
+                if args.job:
+                    job = c.call("job_status", job=args.job, with_model=bool(args.save_model))
+                    _save_model(job, args.save_model, p)
+        except (ServiceError, ChannelError) as exc:
+            out[f"server{p}"] = {"error": str(exc)}
+            rc = 1
+            continue
+        out[f"server{p}"] = {"status": st, "job": job}
+    if args.json:
+        print(json.dumps(out, indent=1, default=str))
+        return rc
+    for name, v in out.items():
+        if "error" in v:
+            print(f"{name}: unreachable: {v['error']}")
+            continue
+        st = v["status"]
+        print(f"{name}: {st['T']}/{st['rounds']} rounds committed; "
+              + (f"round {st['open_round']} open, {len(st['staged'])} uploads staged"
+                 if st["open_round"] else "training finished")
+              + (f"; running job {st['busy_job']}" if st["busy_job"] else ""))
+        for j in st["jobs"][-10:]:
+            print(f"  job {j['job']}: {j['state']} {100 * j['progress']:.0f}% targets {j['targets']} "
+                  f"by {j['requester']}" + (f" ({j['error']})" if j.get("error") else ""))
+        if v["job"]:
+            _print_job(v["job"])
+    return rc
+
+
+def cmd_init_deployment(args: argparse.Namespace) -> int:
+    from servers.service_config import write_scratch_deployment  # noqa: PLC0415
+
+    overrides: dict[str, dict[str, Any]] = {"fl": {"rounds": args.rounds}}
+    if args.deadline:
+        overrides["fl"]["round_deadline"] = args.deadline
+    try:
+        path = write_scratch_deployment(args.dir, clients=args.clients, overrides=overrides)
+    except FileExistsError as exc:
+        print(f"starfish init-deployment: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote keys for server0, server1, dealer, admin, client-0..{args.clients - 1} and {path}")
+    print("start: starfish dealer --config CFG; starfish server --party 1 --config CFG; "
+          "starfish server --party 0 --config CFG; starfish clients --config CFG --n N")
+    return 0
+
+
+# ------------------------------------------------------------------ wiring
+def add_commands(sub: Any) -> None:
+    """Add the service's sub-commands to the ``starfish`` parser."""
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", required=True, help="the deployment's TOML file (docs/service.md)")
+        p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (INFO)")
+
+    s = sub.add_parser("server", help="run server 0 or 1 (client API, FL rounds, unlearning jobs)")
+    s.add_argument("--party", type=int, choices=(0, 1), required=True)
+    common(s)
+    s.set_defaults(func=cmd_server)
+
+    d = sub.add_parser("dealer", help="run the correlated-randomness dealer")
+    common(d)
+    d.set_defaults(func=cmd_dealer)
+
+    c = sub.add_parser("clients", help="simulated FL clients: train, share, upload, answer corrections")
+    common(c)
+    c.add_argument("--n", type=int, default=20, help="number of clients (20)")
+    c.add_argument("--first-id", type=int, default=0, help="ids first-id..first-id+n-1 (0)")
+    c.add_argument("--dataset", help="digits, mnist, fmnist, cifar10 ([clients] dataset)")
+    c.add_argument("--data-dir", help="directory of the dataset files (not for digits)")
+    c.add_argument("--backdoor", help="comma-separated ids of backdoor clients (e.g. 0)")
+    c.add_argument("--unlearn", help="after training, these clients request their own unlearning")
+    c.add_argument("--until", choices=("training", "jobs", "never"),
+                   help="exit after training (default), after the requested jobs, or never")
+    c.add_argument("--twin-dir", help="write the plaintext twin history here (a new directory)")
+    c.add_argument("--summary", help="write a JSON summary here")
+    c.add_argument("--seed", type=int, help="data split and batch-order seed ([clients] seed)")
+    c.add_argument("--epochs", type=float, help="local epochs (lab default of the dataset)")
+    c.add_argument("--lr", type=float, help="local SGD learning rate (lab default of the dataset)")
+    c.add_argument("--train-limit", type=int, help="use only this many training samples")
+    c.add_argument("--max-seconds", type=float, default=3600.0, help="give up after (3600)")
+    c.set_defaults(func=cmd_clients)
+
+    u = sub.add_parser("unlearn", help="request unlearning (your own data, or --admin for anyone's)")
+    common(u)
+    u.add_argument("--client", type=int, help="act as client-ID (its certificate) and unlearn it")
+    u.add_argument("--admin", action="store_true", help="act as admin")
+    u.add_argument("--targets", help="admin: comma-separated client ids")
+    u.add_argument("--job", help="job id (default: random)")
+    u.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the result")
+    u.add_argument("--connect-timeout", type=float, default=10.0)
+    u.set_defaults(func=cmd_unlearn)
+
+    st = sub.add_parser("status", help="rounds, staging and jobs of both servers")
+    common(st)
+    st.add_argument("--party", type=int, choices=(0, 1), help="only this server")
+    st.add_argument("--job", help="also show this job (with its result summary)")
+    st.add_argument("--client", type=int, help="ask as client-ID instead of admin")
+    st.add_argument("--save-model", help="with --job: write the unlearned model (.npy) here")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--connect-timeout", type=float, default=10.0)
+    st.set_defaults(func=cmd_status)
+
+    i = sub.add_parser("init-deployment", help="write keys and a config for a loopback deployment")
+    i.add_argument("dir", help="new directory (refuses an existing CA)")
+    i.add_argument("--clients", type=int, default=20, help="client certificates and clients_expected (20)")
+    i.add_argument("--rounds", type=int, default=40, help="FL rounds (40)")
+    i.add_argument("--deadline", type=float, help="round deadline in seconds (60)")
+    i.set_defaults(func=cmd_init_deployment)

@@ -1,0 +1,71 @@
+"""Service building blocks without processes: config, wire schema, exact ring aggregation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpc.encoding import decode, encode
+from mpc.sharing import share
+from servers import wire
+from servers.ring_aggregation import (fedavg_weights, max_total_samples, model_digest, next_model,
+                                      open_aggregate, weighted_share_sum)
+from servers.service_config import ConfigError, load_config, render_config, ServiceConfig
+
+
+def test_config_defaults_round_trip_and_validation(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[fl]\nrounds = 5\n")
+    cfg = load_config(p)
+    assert cfg.fl.rounds == 5 and cfg.unlearning.sigma == 0.6 and cfg.fl.precision == 16
+    assert cfg.keys_dir == tmp_path / "keys" and cfg.data_dir(1) == tmp_path / "data/server1"
+    full = tmp_path / "full.toml"
+    full.write_text(render_config(cfg))
+    again = load_config(full)
+    assert again.fl == cfg.fl and again.server1 == cfg.server1 and again.limits == cfg.limits
+    for text, needle in [("[fl]\nrounds = 0\n", "rounds"), ("[fl]\nbogus = 1\n", "unknown keys"),
+                         ("[nope]\n", "unknown sections"), ("[fl]\nrounds = 'x'\n", "must be int"),
+                         ("[unlearning]\nrs_method = 'sort'\n", "rs_method"), ("x = [", "TOML")]:
+        p.write_text(text)
+        with pytest.raises(ConfigError, match=needle):
+            load_config(p)
+    with pytest.raises(ConfigError, match="no config file"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_exact_ring_aggregation_equals_integer_fedavg():
+    rng = np.random.default_rng(3)
+    dim, sizes = 50, {0: 67, 3: 70, 5: 1}
+    g = {j: rng.normal(scale=30, size=dim) for j in sizes}
+    sh = {j: share(g[j], compress=(j % 2 == 0)) for j in sizes}
+    a0 = weighted_share_sum(((sizes[j], sh[j].materialize_share0()) for j in sorted(sizes)), dim)
+    a1 = weighted_share_sum(((sizes[j], sh[j].share1) for j in sorted(sizes)), dim)
+    total = sum(sizes.values())
+    agg = open_aggregate(a0, a1, total, 16)
+    exact = sum(sizes[j] * decode(encode(g[j])) for j in sizes) / total   # only encoding error
+    assert np.array_equal(agg, exact) or np.abs(agg - exact).max() < 1e-12
+    plain = sum(w * g[j] for j, w in fedavg_weights(sizes).items())
+    assert np.abs(agg - plain).max() < 2 ** -16
+    prev = np.ones(dim)
+    assert model_digest(next_model(prev, agg, 0.3)) == model_digest(prev - 0.3 * agg)
+    assert max_total_samples(16) == 2**17 - 1
+    with pytest.raises(ValueError, match="overflow"):
+        open_aggregate(a0, a1, 2**17, 16)
+
+
+def test_wire_parse_accepts_valid_and_names_the_problem():
+    mid, buf = wire.make_request("get_model", round=3)
+    req = wire.parse_request(buf, 1 << 20)
+    assert req.op == "get_model" and req.id == mid and req.fields == {"round": 3}
+    with pytest.raises(wire.WireError) as e:
+        wire.parse_request(wire.pack({"v": 1, "op": "unlearn", "id": mid, "job": "a b", "nonce": 1}), 1 << 20)
+    assert e.value.code == "bad_request" and "job" in e.value.message and e.value.msg_id == mid
+    t = wire.tensor(np.arange(6, dtype=np.int64).reshape(2, 3))
+    assert wire.decode_tensor(t, "x", ("<i8",), (2, 3)).tolist() == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(wire.WireError, match="NaN"):
+        wire.decode_tensor(wire.tensor(np.array([np.nan])), "m", ("<f8",), (1,))
+    assert wire.client_id_of("client-12") == 12
+    assert wire.client_id_of("client-012") is None and wire.client_id_of("admin") is None
+    with pytest.raises(wire.WireError) as e:
+        wire.check_reply(wire.error_reply(mid, "replay", "old nonce"), mid, 1 << 20)
+    assert e.value.code == "replay"
