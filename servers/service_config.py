@@ -106,7 +106,7 @@ class UnlearningSection:
     beta: float = 0.1                # interval rate: threshold check every ceil(beta T) replayed rounds
     buffer: int = 2                  # L-BFGS buffer size B
     rs_method: str = "auto"          # round-selection comparison: auto | ratio | divide
-    t_delta: int = 64                # auto: Method 1 (ratio) while T <= t_delta, else Method 2
+    t_delta: int = 0                 # auto: Method 1 while T < t_delta; 0 = measured (rs_switch.json, LAN)
     correction_timeout: float = 300.0  # seconds the servers wait for the clients of one correction task
     agree_timeout: float = 60.0      # a request that reached only one server fails after this
     session_timeout: float = 300.0   # 2PC session: seconds to wait for the peer/dealer
@@ -208,7 +208,7 @@ def _check(cfg: ServiceConfig) -> None:
     need(0 < u.beta <= 1, "[unlearning] beta must be in (0, 1]")
     need(u.buffer >= 1, "[unlearning] buffer must be >= 1")
     need(u.rs_method in ("auto", "ratio", "divide"), "[unlearning] rs_method: auto, ratio or divide")
-    need(u.t_delta >= 1, "[unlearning] t_delta must be >= 1")
+    need(u.t_delta >= 0, "[unlearning] t_delta must be >= 0 (0: from the measured costs)")
     for key in ("correction_timeout", "agree_timeout", "session_timeout"):
         need(getattr(u, key) > 0, f"[unlearning] {key} must be > 0")
     lim = cfg.limits

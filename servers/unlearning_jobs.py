@@ -38,11 +38,12 @@ log = logging.getLogger("starfish.jobs")
 
 
 def starfish_params(cfg: ServiceConfig) -> Any:
+    from protocols.starfish.round_selection import DEFAULT_T_DELTA  # noqa: PLC0415
     from .unlearning import StarfishParams  # noqa: PLC0415
 
     u = cfg.unlearning
     return StarfishParams(sigma=u.sigma, beta=u.beta, buffer=u.buffer, method=u.rs_method,
-                          t_delta=u.t_delta, server_lr=None)
+                          t_delta=u.t_delta or DEFAULT_T_DELTA, server_lr=None)
 
 
 def job_params(cfg: ServiceConfig) -> dict[str, Any]:
