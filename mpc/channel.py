@@ -377,6 +377,32 @@ class Channel:
             s.close()
 
 
+def accept_loop(
+    listener: socket.socket,
+    handle: Callable[[socket.socket], None],
+    stop: threading.Event,
+    *,
+    name: str = "connection",
+    admit: Callable[[], bool] = lambda: True,
+    poll: float = 0.2,
+) -> None:
+    """Accept connections until ``stop`` is set or the listener closes; each accepted socket is
+    handled on its own daemon thread (TLS is set up there, so a slow client blocks no one).
+    ``admit`` may refuse a connection (e.g. too many open); the socket is then closed."""
+    listener.settimeout(poll)
+    while not stop.is_set():
+        try:
+            sock, _ = listener.accept()
+        except socket.timeout:
+            continue
+        except OSError:
+            break
+        if not admit():
+            sock.close()
+            continue
+        threading.Thread(target=handle, args=(sock,), name=name, daemon=True).start()
+
+
 def listen(host: str = "127.0.0.1", port: int = 0, backlog: int = 8) -> socket.socket:
     """A listening TCP socket; port 0 picks a free port (read it from getsockname())."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

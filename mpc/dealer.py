@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import msgpack
 
 from . import correlations, tls
-from .channel import KIND_OBJECT, KIND_TENSOR, Channel, ChannelError, listen
+from .channel import KIND_OBJECT, KIND_TENSOR, Channel, ChannelError, accept_loop, listen
 from .prg import new_seed
 
 log = logging.getLogger("starfish.dealer")
@@ -74,15 +74,7 @@ class DealerServer:
         return self._listener.getsockname()[:2]
 
     def serve_forever(self) -> None:
-        self._listener.settimeout(0.5)
-        while not self._stop.is_set():
-            try:
-                sock, _ = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                break
-            threading.Thread(target=self._serve_connection, args=(sock,), daemon=True).start()
+        accept_loop(self._listener, self._serve_connection, self._stop, name="dealer-session")
 
     def stop(self) -> None:
         self._stop.set()

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mpc import tls
-from mpc.channel import KIND_OBJECT, Channel, ChannelError, PeerTimeout
+from mpc.channel import KIND_OBJECT, Channel, ChannelError, PeerTimeout, accept_loop
 
 from . import wire
 
@@ -106,15 +106,7 @@ class PeerServer:
         self._lock = threading.Lock()
 
     def serve_forever(self) -> None:
-        self._listener.settimeout(0.2)
-        while not self._stop.is_set():
-            try:
-                sock, _ = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                break
-            threading.Thread(target=self._serve, args=(sock,), name="peer-link", daemon=True).start()
+        accept_loop(self._listener, self._serve, self._stop, name="peer-link")
 
     def _serve(self, sock: socket.socket) -> None:
         try:

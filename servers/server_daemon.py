@@ -33,13 +33,12 @@ import signal
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mpc import tls
-from mpc.channel import KIND_OBJECT, Channel, ChannelError, PeerTimeout, ProtocolError, listen
+from mpc.channel import KIND_OBJECT, Channel, ChannelError, PeerTimeout, ProtocolError, accept_loop, listen
 
 from . import blobs as _blobs
 from . import share_store as _ss
@@ -51,7 +50,7 @@ from .ring_aggregation import (fedavg_weights, model_digest, next_model, open_ag
                                weighted_share_sum)
 from .service_config import ServiceConfig
 from .service_state import ServiceState
-from .share_store import JobRecord, ShareStore, StagingConflictError, StagingError, StoreError
+from .share_store import JobRecord, ShareStore, StagingConflictError, StagingError
 from .unlearning_jobs import job_params, read_result, run_job
 
 __all__ = ["ServerDaemon", "install_crash_points", "checkpoint"]
@@ -181,21 +180,16 @@ class ServerDaemon:
 
     # ------------------------------------------------------------------ client API
     def _api_loop(self) -> None:
-        self._api_listener.settimeout(0.2)
-        while not self.stop_event.is_set():
-            try:
-                sock, _ = self._api_listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                break
-            with self._conn_guard:
-                if self._connections >= self.cfg.limits.max_connections:
-                    log.warning("refusing a client connection: %d open", self._connections)
-                    sock.close()
-                    continue
-                self._connections += 1
-            threading.Thread(target=self._serve_client, args=(sock,), name="client", daemon=True).start()
+        accept_loop(self._api_listener, self._serve_client, self.stop_event, name="client",
+                    admit=self._admit_client)
+
+    def _admit_client(self) -> bool:
+        with self._conn_guard:
+            if self._connections >= self.cfg.limits.max_connections:
+                log.warning("refusing a client connection: %d open", self._connections)
+                return False
+            self._connections += 1
+            return True
 
     @staticmethod
     def _allowed(name: str) -> bool:

@@ -10,7 +10,6 @@ next to the plaintext answer, and what it cost per step.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import numpy as np
 
