@@ -68,6 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     bs = bsub.add_parser("rs-switch", help="measure round-selection Methods 1 and 2; derive T_delta")
     rs_switch.add_arguments(bs)
     bs.set_defaults(func=lambda a: rs_switch.main(args=a))
+    from bench import scaling, steps, unlearning
+
+    bst = bsub.add_parser("steps", help="per unlearning step on the paper's MNIST shapes (Table I): offline/online "
+                                        "time and bytes, rounds; LAN/WAN profiles, analytic time")
+    steps.add_arguments(bst)
+    bst.set_defaults(func=lambda a: steps.main(args=a))
+    bu = bsub.add_parser("unlearning", help="one full Stage II on the paper's MNIST shapes (Table II): totals, "
+                                            "per step, memory, socket bytes, targets")
+    unlearning.add_arguments(bu)
+    bu.set_defaults(func=lambda a: unlearning.main(args=a))
+    bsc = bsub.add_parser("scaling", help="cost of one unlearning round vs clients, model size and rounds; PNG plots")
+    scaling.add_arguments(bsc)
+    bsc.set_defaults(func=lambda a: scaling.main(args=a))
     return parser
 
 

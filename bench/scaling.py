@@ -1,0 +1,200 @@
+"""How the 2PC cost grows with the number of clients, the model size and the number of rounds.
+
+One *unlearning round* (Alg. 4 lines 15-24, a round with a threshold check) is UE + TC +
+aggregate for the n-1 remaining clients; its cost depends on n and m, not on T. The once-per-
+request steps TD (SecMax over T thresholds per client) and RS (sorting T rounds, Method 1) depend
+on T (and TD on n). Every grid point is one two-party session on a synthetic history of that shape
+(``bench/synthetic.py``), dealer material prefetched per step, no emulated link: *seconds* are
+online compute on loopback (add rounds x latency + bytes / bandwidth for a link, see
+``bench/profiles.py``). Three one-dimensional grids around a base point; PNG plots (bytes, rounds,
+seconds against each variable) and a least-squares fit of bytes per client-coordinate.
+
+    starfish bench scaling --out out/scaling.json      # writes out/scaling.png too
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+
+from . import costs, offline, profiles
+from .report import machine_info, markdown_table, write_json
+from .steps import _program
+from .synthetic import SyntheticConfig, prepare
+
+ROUND_STEPS = ("UE", "TC", "aggregate")
+SETUP_STEPS = ("TD2", "RS1")
+DEFAULT_CLIENTS = (5, 10, 20)
+DEFAULT_PARAMS = (10_000, 100_000, 582_026)
+DEFAULT_ROUNDS = (10, 20, 40, 80)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(float(x)) for x in text.split(",") if x.strip()]
+
+
+def grid(clients: list[int], params: list[int], rounds: list[int], base: dict) -> list[tuple[str, SyntheticConfig]]:
+    """(axis, config) points: each axis varies one variable around ``base``."""
+    pts = []
+    for n in clients:
+        pts.append(("clients", dict(base, clients=n)))
+    for m in params:
+        pts.append(("params", dict(base, num_params=m, clients=base["small_clients"])))
+    for T in rounds:
+        pts.append(("rounds", dict(base, rounds=T, clients=base["small_clients"], num_params=base["small_params"])))
+    out = []
+    for axis, d in pts:
+        cfg = SyntheticConfig(f"scale-n{d['clients']}-m{d['num_params']}-T{d['rounds']}", d["num_params"],
+                              clients=d["clients"], rounds=d["rounds"])
+        out.append((axis, cfg))
+    return out
+
+
+def measure_point(cfg: SyntheticConfig, cache_dir: str, fresh: bool, timeout: float) -> dict:
+    steps = list(SETUP_STEPS + ROUND_STEPS)
+    data = prepare(cfg, cache_dir)
+    key = hashlib.sha256(f"{cfg.key()}|{steps}|{offline.code_fingerprint()}".encode()).hexdigest()[:16]
+    runs = offline.measure(_program, (cfg.to_json(), str(data), steps, []), profile=profiles.resolve("none"),
+                           shaping=profiles.Shaping("none", "loopback"), cache_dir=cache_dir, key=key,
+                           prefix="scaling", fresh=fresh, timeout=timeout, label=cfg.name)
+    summ = offline.summarize_steps(runs.compute.meters)
+    row = {"clients": cfg.clients, "params": cfg.num_params, "rounds": cfg.rounds,
+           "steps": {k: summ[k] for k in steps if k in summ}}
+    for group, names in (("round", ROUND_STEPS), ("setup", SETUP_STEPS)):
+        row[f"{group}_online_bytes"] = sum(summ[k]["online_bytes"] for k in names)
+        row[f"{group}_offline_bytes"] = sum(summ[k]["offline_bytes"] for k in names)
+        row[f"{group}_rounds"] = sum(summ[k]["rounds"] for k in names)
+        row[f"{group}_s"] = sum(summ[k]["online_s"] for k in names)
+    row["peak_rss_bytes"] = max(v["report"]["peak_rss_bytes"] for v in runs.compute.values)
+    return row
+
+
+def fit_per_client_coordinate(rows: list[dict], step: str) -> tuple[float, float]:
+    """Least squares online_bytes = a * (n-1) m + b for one step over all grid points."""
+    import numpy as np
+
+    x = np.array([(r["clients"] - 1) * r["params"] for r in rows], dtype=np.float64)
+    y = np.array([r["steps"][step]["online_bytes"] for r in rows], dtype=np.float64)
+    A = np.stack([x, np.ones_like(x)], axis=1)
+    (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
+    return float(a), float(b)
+
+
+def plot(rows: list[tuple[str, dict]], path: Path, where: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    axes_spec = [("clients", "clients n", ROUND_STEPS), ("params", "model size m (parameters)", ROUND_STEPS),
+                 ("rounds", "FL rounds T", SETUP_STEPS + ROUND_STEPS)]
+    fig, axs = plt.subplots(3, 3, figsize=(14, 11))
+    for col, (axis, label, steps) in enumerate(axes_spec):
+        pts = sorted((r for a, r in rows if a == axis), key=lambda r: r[axis])
+        if not pts:
+            continue
+        xs = [r[axis] for r in pts]
+        for row_i, (q, ylabel, scale) in enumerate((("online_bytes", "online MB (both directions)", 1e6),
+                                                    ("rounds", "rounds", 1),
+                                                    ("online_s", "online compute s (loopback)", 1))):
+            ax = axs[row_i][col]
+            for st in steps:
+                ys = [r["steps"][st][q] / scale for r in pts]
+                ax.plot(xs, ys, marker="o", label=st)
+            if q != "rounds" and axis in ("clients", "params"):
+                ax.plot(xs, [sum(r["steps"][st][q] for st in ROUND_STEPS) / scale for r in pts], "k--",
+                        marker="s", label="one round (UE+TC+aggregate)")
+            ax.set_xlabel(label)
+            ax.set_ylabel(ylabel)
+            if axis == "params":
+                ax.set_xscale("log")
+            if q == "online_bytes" and axis != "rounds":
+                ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle("Starfish 2PC cost (synthetic history, dealer, loopback): one unlearning round vs clients and "
+                 f"model size; TD/RS and one round vs T\n({where})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--clients", default=",".join(map(str, DEFAULT_CLIENTS)),
+                   help="clients axis (default 5,10,20; at --base-params parameters)")
+    p.add_argument("--params", default=",".join(map(str, DEFAULT_PARAMS)),
+                   help="model-size axis (default 1e4,1e5,582026; at --small-clients clients)")
+    p.add_argument("--rounds", default=",".join(map(str, DEFAULT_ROUNDS)),
+                   help="rounds axis (default 10,20,40,80; at --small-clients clients, --small-params parameters)")
+    p.add_argument("--base-params", type=int, default=100_000, help="model size of the clients axis (default 1e5)")
+    p.add_argument("--base-rounds", type=int, default=10, help="T of the clients and model axes (default 10)")
+    p.add_argument("--small-clients", type=int, default=5, help="clients of the model and T axes (default 5)")
+    p.add_argument("--small-params", type=int, default=10_000, help="model size of the T axis (default 1e4)")
+    p.add_argument("--cache-dir", default="out/bench-cache")
+    p.add_argument("--fresh", action="store_true", help="ignore cached schedules and compute runs")
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--out", default="out/scaling.json", help="JSON output; the PNG and .md go beside it")
+
+
+def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
+    if args is None:
+        parser = argparse.ArgumentParser(prog="starfish bench scaling", description=__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_arguments(parser)
+        args = parser.parse_args(argv)
+    base = {"num_params": args.base_params, "rounds": args.base_rounds, "clients": 0,
+            "small_clients": args.small_clients, "small_params": args.small_params}
+    points = grid(_ints(args.clients), _ints(args.params), _ints(args.rounds), base)
+    rows: list[tuple[str, dict]] = []
+    done: dict[str, dict] = {}
+    t0 = time.perf_counter()
+    for axis, cfg in points:
+        if cfg.name not in done:
+            print(f"scaling: {cfg.name} ...", file=sys.stderr, flush=True)
+            done[cfg.name] = measure_point(cfg, args.cache_dir, args.fresh, args.timeout)
+        rows.append((axis, done[cfg.name]))
+    table = []
+    for axis, r in rows:
+        table.append({"axis": axis, "clients": r["clients"], "params": r["params"], "T": r["rounds"],
+                      "round MB": costs.fmt(r["round_online_bytes"] / 1e6), "round rounds": r["round_rounds"],
+                      "round s": costs.fmt(r["round_s"]), "UE MB": costs.fmt(r["steps"]["UE"]["online_bytes"] / 1e6),
+                      "TC MB": costs.fmt(r["steps"]["TC"]["online_bytes"] / 1e6),
+                      "TD+RS MB": costs.fmt(r["setup_online_bytes"] / 1e6), "TD+RS rounds": r["setup_rounds"],
+                      "TD+RS s": costs.fmt(r["setup_s"])})
+    uniq = list(done.values())
+    fits = {st: fit_per_client_coordinate(uniq, st) for st in ("UE", "TC")}
+    lines = [f"## starfish bench scaling: synthetic histories, dealer (prefetched per step), loopback, "
+             f"{time.perf_counter() - t0:.0f}s",
+             "one round = UE + TC + aggregate for the n-1 remaining clients; TD+RS = once per request "
+             "(SecMax over T, Method 1 round selection). MB = 1e6 bytes, both directions; s = online compute.",
+             "fits over all points, online bytes = a (n-1) m + b: " +
+             "; ".join(f"{st}: a = {a:.1f} B per client-coordinate, b = {b:,.0f} B" for st, (a, b) in fits.items())]
+    cols = ["axis", "clients", "params", "T", "round MB", "round rounds", "round s", "UE MB", "TC MB",
+            "TD+RS MB", "TD+RS rounds", "TD+RS s"]
+    text = "\n".join(lines) + "\n\n" + markdown_table(table, cols)
+    print(text)
+    out = Path(args.out)
+    png = out.with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    where = (f"clients axis at m = {args.base_params:,}, T = {args.base_rounds}; model axis at n = "
+             f"{args.small_clients}, T = {args.base_rounds}; T axis at n = {args.small_clients}, m = {args.small_params:,}")
+    plot(rows, png, where)
+    write_json(out, {"machine": machine_info(), "load_average_at_end": os.getloadavg(), "benchmark": "scaling",
+                     "history": "synthetic (bench/synthetic.py)", "profile": "none (loopback)",
+                     "points": [{"axis": a, **r} for a, r in rows],
+                     "fits_bytes_per_client_coordinate": {k: {"a": a, "b": b} for k, (a, b) in fits.items()},
+                     "plot": str(png), "markdown": text})
+    out.with_suffix(".md").write_text(text + f"\n\n![scaling]({png.name})\n")
+    print(f"wrote {out}, {png}, {out.with_suffix('.md')}", file=sys.stderr)
+    return 0
+
+
+__all__ = ["main", "add_arguments", "grid", "fit_per_client_coordinate"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

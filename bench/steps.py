@@ -1,0 +1,333 @@
+"""Per-step 2PC cost of one unlearning round on the paper's MNIST shapes (the paper's Table I).
+
+Steps, each a top-level metered step of one two-party session (two processes, TLS, dealer):
+
+* ``TD1``  FedRecover's threshold determination in 2PC (secure sort of |g| over all stored
+  coordinates of the remaining clients; see ``bench/costs.py``): run on two samples of the
+  history and **extrapolated** to the full m (n-1) T entries;
+* ``TD2``  Starfish's: SecMax over the T thresholds delta_i^j of each remaining client (batched);
+* ``RS1``/``RS2``  round selection with Method 1 (division-free ratio comparator) and Method 2
+  (SecDiv, then comparisons): ``servers.unlearning.starfish_select`` with method ratio/divide;
+* ``UE``   one round's update estimate for all n-1 remaining clients (compact L-BFGS, B pairs);
+* ``TC``   one threshold check for all n-1 remaining clients (n-1 x m coordinates);
+* ``aggregate`` (not in Table I) sum_j w_j g^j and its opening, the rest of a replayed round.
+
+History: synthetic, of the real shapes (``bench/synthetic.py``; MNIST files are absent and the
+cost depends on shapes only). Offline = dealer material of the step fetched right before it
+(``bench/offline.py``); online = the step itself with no dealer traffic. Runs: record the dealer
+schedule, a compute run (no emulated link), and with ``--profile lan|wan|custom`` a run with
+the profile applied; the analytic time is computed from the compute run and reported beside the
+measured one.
+
+    starfish bench steps --profile lan --config mnist --out out/steps-lan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+
+from . import costs, offline, profiles
+from .report import machine_info, markdown_table, write_json
+from .synthetic import SyntheticConfig, config, prepare
+
+STEPS = ("TD1", "TD2", "RS1", "RS2", "UE", "TC", "aggregate")
+TD1_SAMPLES = (4, 16)   # coordinates per stored update in the two TD1 samples
+
+
+def _warm_up() -> None:
+    """First calls pay one-off costs (lazy imports, first dispatch: ~2 s for the first ratio
+    sort); run each kind of protocol once on tiny inputs, outside every metered step."""
+    import torch
+
+    from mpc.crypten_compat import crypten
+    from protocols.inverse import inverse_masked
+    from protocols.maximum import max as secure_max
+    from protocols.sort import bitonic_sort
+    from protocols.starfish import select_rounds
+    from protocols.threshold import any_exceeds
+
+    x = crypten.cryptensor(torch.arange(1.0, 5.0, dtype=torch.float64), src=0)
+    (x * x).reveal()
+    (x >= 0.5).reveal()
+    select_rounds(x, x + 1, 2, method="ratio")
+    select_rounds(x, x + 1, 2, method="divide")
+    secure_max(x)
+    bitonic_sort(x, None, descending=True, stable=False)
+    any_exceeds(x.reshape(1, 4), x[:1])
+    inverse_masked(crypten.cryptensor(torch.eye(4, dtype=torch.float64).unsqueeze(0) * 2, src=0))
+
+
+# ----------------------------------------------------------------------------- party side
+def _program(party, spec: dict, data_path: str, steps: list[str], td1_samples: list[int],
+             schedule) -> dict:
+    import torch
+
+    from protocols.backend import cat
+    from protocols.starfish import check_thresholds, determine_thresholds, estimate_updates, num_selected
+    from protocols.starfish.backend import reveal, stack, weighted_sum
+    from servers.lbfgs_pairs import PairBuffers
+    from servers.unlearning import StarfishParams, starfish_select
+
+    from .synthetic import SyntheticClients, SyntheticHistory, load_data
+
+    torch.set_num_threads(1)
+    cfg = SyntheticConfig.from_json(spec)
+    hist = SyntheticHistory(cfg, load_data(data_path), party.rank, party.wrap_share)
+    clients = SyntheticClients(hist)
+    p = offline.instrument(party, schedule)
+    _warm_up()
+    rest, T, out = cfg.remaining, cfg.rounds, {}
+
+    thr = None
+    if "TD2" in steps or "TC" in steps:
+        deltas = stack([stack([hist.delta(i, j) for i in range(1, T + 1)]) for j in rest])
+        with p.meter("TD2"):
+            thr = determine_thresholds(deltas)
+    for c in td1_samples if "TD1" in steps else ():
+        vals = cat([hist.update_prefix(i, j, c) for i in range(1, T + 1) for j in rest])
+        with p.meter(f"TD1:{int(vals.shape[0])}"):
+            costs.fedrecover_threshold(vals, cfg.alpha, p.meter)
+        del vals
+    k = num_selected(T, cfg.sigma)
+    for name, method in (("RS1", "ratio"), ("RS2", "divide")):
+        if name in steps:
+            with p.meter(name):
+                out[name] = starfish_select(hist, list(cfg.targets), k, StarfishParams(method=method))
+    if {"UE", "TC", "aggregate"} & set(steps):
+        # B buffered pairs from B warm-up rounds, as run_stage2 builds them (outside the meters)
+        B = cfg.buffer
+        buffers = PairBuffers(rest, B)
+        for r in range(1, B + 1):
+            m_hat = hist.model(r)
+            s = m_hat.double() - hist.model(r - 1).double()
+            fresh = clients.exact_updates(r, m_hat, rest)
+            for j in rest:
+                buffers.push(j, s, fresh[j] - hist.update(r, j))
+        t = B + 1
+        s = hist.model(t).double() - hist.model(t - 1).double()
+        stored = stack([hist.update(t, j) for j in rest])
+        S, Y = buffers.stacked(rest)
+        del buffers, fresh
+        with p.meter("UE"):
+            est = estimate_updates(stored, s, S, Y)
+        del S, Y, stored
+        if "TC" in steps:
+            with p.meter("TC"):
+                out["flags"] = [int(f) for f in check_thresholds(est, thr)]
+        if "aggregate" in steps:
+            w_all = hist.weights(t)
+            wsum = sum(w_all[j] for j in rest)
+            rows = [est[r] for r in range(len(rest))]
+            with p.meter("aggregate"):
+                agg = reveal(weighted_sum(rows, [w_all[j] / wsum for j in rest]))
+            out["aggregate_norm"] = float(agg.norm())
+    out["report"] = offline.party_report(p)
+    return out
+
+
+# ----------------------------------------------------------------------------- parent side
+def _cache_key(cfg: SyntheticConfig, steps: list[str], samples: list[int]) -> str:
+    text = f"{cfg.key()}|{','.join(steps)}|{samples}|{offline.code_fingerprint()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _td1_row(summary: dict[str, dict], full_n: int) -> dict | None:
+    pts = {int(k.split(":")[1]): v for k, v in summary.items() if k.startswith("TD1:")}
+    if not pts:
+        return None
+    row = {"extrapolated": True, "samples": sorted(pts), "full_entries": full_n}
+    for q in ("online_bytes", "bytes_per_direction", "offline_bytes", "offline_bytes_to_party1",
+              "online_s", "offline_s"):
+        row[q] = costs.extrapolate([(n, v[q]) for n, v in pts.items()], full_n, "work")
+    for q in ("rounds", "offline_rounds"):
+        row[q] = costs.extrapolate([(n, v[q]) for n, v in pts.items()], full_n, "rounds")
+    row["calls"] = 1
+    return row
+
+
+def build_rows(cfg: SyntheticConfig, runs: offline.Runs, profile: profiles.NetworkProfile) -> list[dict]:
+    comp = offline.summarize_steps(runs.compute.meters)
+    meas = offline.summarize_steps(runs.link.meters) if runs.link is not None else comp
+    full_n = cfg.num_params * len(cfg.remaining) * cfg.rounds
+    for summ in (comp, meas):
+        td1 = _td1_row(summ, full_n)
+        if td1 is not None:
+            summ["TD1"] = td1
+    rows = []
+    samples = sorted((k for k in meas if k.startswith("TD1:")), key=lambda k: int(k.split(":")[1]))
+    for name in [*STEPS, *samples]:
+        if name not in meas:
+            continue
+        m, c = meas[name], comp[name]
+        row = {
+            "step": name if ":" not in name else f"TD1 sample of {int(name.split(':')[1]):,}",
+            "sample": ":" in name,
+            "extrapolated": bool(m.get("extrapolated")),
+            "offline_s": m["offline_s"],
+            "online_s": m["online_s"],
+            "offline_bytes": m["offline_bytes"],
+            "online_bytes": m["online_bytes"],
+            "bytes_per_direction": m["bytes_per_direction"],
+            "rounds": m["rounds"],
+            "offline_rounds": m["offline_rounds"],
+            "compute_s": c["online_s"],
+            "offline_compute_s": c["offline_s"],
+            "inline_offline_bytes": m.get("inline_offline_bytes", 0),
+        }
+        if runs.link is not None and not row["extrapolated"]:
+            row["analytic_online_s"] = profiles.analytic_seconds(m["rounds"], m["bytes_per_direction"],
+                                                                 c["online_s"], profile)
+            row["analytic_offline_s"] = profiles.analytic_seconds(m["offline_rounds"], m["offline_bytes_to_party1"],
+                                                                  c["offline_s"], profile)
+            row["online_rel_diff"] = profiles.relative_difference(m["online_s"], row["analytic_online_s"])
+            row["overlap_online_s"] = profiles.analytic_overlap_seconds(m["rounds"], m["bytes_per_direction"],
+                                                                        c["online_s"], profile)
+            row["overlap_rel_diff"] = profiles.relative_difference(m["online_s"], row["overlap_online_s"])
+            row["offline_rel_diff"] = profiles.relative_difference(m["offline_s"], row["analytic_offline_s"])
+        paper = costs.PAPER_TABLE1.get(name)
+        if paper is not None:
+            row["paper"] = dict(zip(("offline_s", "online_s", "offline_gb", "online_gb"), paper))
+            row["ratio_online_gb"] = costs.ratio(costs.gb(m["online_bytes"]), paper[3])
+            row["ratio_offline_gb"] = costs.ratio(costs.gb(m["offline_bytes"]), paper[2])
+            row["ratio_online_s"] = costs.ratio(m["online_s"], paper[1])
+            row["ratio_offline_s"] = costs.ratio(m["offline_s"], paper[0])
+        rows.append(row)
+    return rows
+
+
+def tables(rows: list[dict], linked: bool) -> tuple[str, str]:
+    t1 = []
+    for r in rows:
+        if r["sample"]:
+            continue
+        p = r.get("paper", {})
+        label = r["step"] + (" (extrapolated)" if r["extrapolated"] else "")
+        t1.append({
+            "step": label,
+            "offline s": costs.fmt(r["offline_s"]), "online s": costs.fmt(r["online_s"]),
+            "offline GB": costs.fmt(costs.gb(r["offline_bytes"])), "online GB": costs.fmt(costs.gb(r["online_bytes"])),
+            "rounds": costs.fmt(int(round(r["rounds"]))),
+            "paper offline s": costs.fmt(p.get("offline_s")), "paper online s": costs.fmt(p.get("online_s")),
+            "paper offline GB": costs.fmt(p.get("offline_gb")), "paper online GB": costs.fmt(p.get("online_gb")),
+            "ratio online GB": costs.fmt(r.get("ratio_online_gb"), 3),
+            "ratio online s": costs.fmt(r.get("ratio_online_s"), 3),
+        })
+    cols1 = ["step", "offline s", "online s", "offline GB", "online GB", "rounds", "paper offline s",
+             "paper online s", "paper offline GB", "paper online GB", "ratio online GB", "ratio online s"]
+    t2 = []
+    for r in rows:
+        row = {"step": r["step"] + (" (extrapolated)" if r["extrapolated"] else ""),
+               "rounds": costs.fmt(int(round(r["rounds"]))),
+               "MB per direction": costs.fmt(r["bytes_per_direction"] / 1e6),
+               "compute s": costs.fmt(r["compute_s"]), "online s": costs.fmt(r["online_s"])}
+        if linked:
+            row.update({"analytic online s": costs.fmt(r.get("analytic_online_s")),
+                        "online diff": _pct(r.get("online_rel_diff")),
+                        "overlap bound s": costs.fmt(r.get("overlap_online_s")),
+                        "diff to bound": _pct(r.get("overlap_rel_diff")),
+                        "offline s": costs.fmt(r["offline_s"]),
+                        "analytic offline s": costs.fmt(r.get("analytic_offline_s")),
+                        "offline diff": _pct(r.get("offline_rel_diff"))})
+        t2.append(row)
+    cols2 = ["step", "rounds", "MB per direction", "compute s", "online s"]
+    if linked:
+        cols2 += ["analytic online s", "online diff", "overlap bound s", "diff to bound", "offline s",
+                  "analytic offline s", "offline diff"]
+    return markdown_table(t1, cols1), markdown_table(t2, cols2)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:+.1f}%"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    profiles.add_profile_arguments(p, default="lan")
+    p.add_argument("--config", default="mnist", choices=["mnist", "small", "tiny"],
+                   help="synthetic history shapes (default mnist: the paper's 582,026-parameter CNN, "
+                        "20 clients, 40 rounds)")
+    p.add_argument("--steps", default=",".join(STEPS), help=f"comma list of {', '.join(STEPS)}")
+    p.add_argument("--td1-samples", default=",".join(map(str, TD1_SAMPLES)),
+                   help="coordinates per stored update in the TD1 samples (two sizes; default 4,16)")
+    p.add_argument("--cache-dir", default="out/bench-cache", help="synthetic data, schedules, compute runs")
+    p.add_argument("--fresh", action="store_true", help="re-record the schedule and redo the compute run")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds a party waits for its peer")
+    p.add_argument("--out", default=None, help="JSON output (default out/steps-<config>-<profile>.json)")
+
+
+def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
+    if args is None:
+        parser = argparse.ArgumentParser(prog="starfish bench steps", description=__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_arguments(parser)
+        args = parser.parse_args(argv)
+    try:
+        profile = profiles.profile_from_args(args)
+        shaping = profiles.choose_shaping(profile, args.shaping)
+    except (ValueError, RuntimeError) as exc:
+        print(f"starfish bench steps: {exc}", file=sys.stderr)
+        return 2
+    steps = [s.strip() for s in args.steps.split(",") if s.strip()]
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        print(f"unknown step(s) {unknown}; known: {', '.join(STEPS)}", file=sys.stderr)
+        return 2
+    samples = [int(x) for x in args.td1_samples.split(",") if x.strip()]
+    cfg = config(args.config)
+    t0 = time.perf_counter()
+    data_path = prepare(cfg, args.cache_dir)
+    print(f"synthetic history: {data_path} ({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
+    fn_args = (cfg.to_json(), str(data_path), steps, samples)
+    common = dict(cache_dir=args.cache_dir, key=_cache_key(cfg, steps, samples), prefix="steps",
+                  fresh=args.fresh, timeout=args.timeout, label=f"steps/{cfg.name}")
+    if shaping.method == "netem" and not os.environ.get(profiles.NETEM_ENV):
+        # record and compute outside, then the shaped run inside a netem namespace
+        offline.measure(_program, fn_args, profile=profiles.resolve("none"), shaping=profiles.Shaping("none", ""),
+                        **common)
+        return profiles.run_under_netem(profile, profiles.forwarded_argv(["bench", "steps"], argv))
+    runs = offline.measure(_program, fn_args, profile=profile, shaping=shaping, **common)
+    rows = build_rows(cfg, runs, profile)
+    final = runs.link or runs.compute
+    reports = [v["report"] for v in final.values]
+    mismatches = sum(len(r.get("mismatches", [])) for r in reports)
+    rss = ", ".join(f"{r['peak_rss_bytes'] / 2**30:.2f} GiB" for r in reports)
+    td1 = next((r for r in rows if r["step"] == "TD1"), None)
+    head = [f"## starfish bench steps: config {cfg.name} ({cfg.note}); synthetic history of the real shapes",
+            f"network: {profile.describe()}; applied by: {shaping.method} ({shaping.reason})",
+            "GB = 1e9 bytes; online = server<->server traffic, both directions; offline = dealer<->servers "
+            "material fetched right before each step, both servers. Paper = Table I (MNIST, network not "
+            "stated); ratio = ours / paper.",
+            f"peak RSS per server process: {rss}; dealer-schedule mismatches: {mismatches}"]
+    if td1 is not None:
+        src = offline.summarize_steps(final.meters)
+        samples_n = sorted(int(k.split(':')[1]) for k in src if k.startswith("TD1:"))
+        head.append(f"TD1 (FedRecover's global threshold: secure sort of |g| over all "
+                    f"{cfg.num_params * len(cfg.remaining) * cfg.rounds:,} stored coordinates) is extrapolated "
+                    f"from the same protocol run on samples of {', '.join(f'{n:,}' for n in samples_n)} entries.")
+    text = "\n".join(head) + "\n\n" + "\n\n".join(tables(rows, runs.link is not None))
+    print(text)
+    out = args.out or f"out/steps-{cfg.name}-{profile.name}.json"
+    payload = {
+        "machine": machine_info(), "load_average_at_end": os.getloadavg(), "benchmark": "steps", "config": cfg.to_json(),
+        "history": "synthetic (bench/synthetic.py): values from a seeded generator, real shapes",
+        "profile": profile.to_json(), "shaping": shaping.to_json(), "rows": rows,
+        "subsample_steps": {k: v for k, v in offline.summarize_steps(final.meters).items() if k.startswith("TD1:")},
+        "runs": runs.seconds, "schedule_requests": runs.schedule.num_requests,
+        "schedule_meta": runs.schedule.meta,
+        "party_reports": reports, "wire": offline.wire_check(final.meters), "markdown": text,
+    }
+    path = write_json(out, payload)
+    Path(path).with_suffix(".md").write_text(text + "\n")
+    print(f"wrote {path} and {Path(path).with_suffix('.md')}", file=sys.stderr)
+    return 0
+
+
+__all__ = ["main", "add_arguments", "build_rows", "tables", "STEPS"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

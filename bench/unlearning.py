@@ -1,0 +1,380 @@
+"""One full Stage II under 2PC on the paper's MNIST shapes (the paper's Table II).
+
+``servers.unlearning.run_stage2`` runs on each server's shares of a synthetic history of the real
+shapes (``bench/synthetic.py``: 582,026 parameters, 20 clients, 40 rounds, sigma 0.6, alpha 0.4,
+beta 0.1, B 2; target client 0), with the dealer, over TLS, in two processes. Offline = the
+dealer material of each step fetched right before it (``bench/offline.py``); online = the
+steps themselves. Runs: record the dealer schedule, a compute run without emulated link, a run
+with the profile applied (skipped for ``--profile none``); schedule and compute run are cached
+per configuration, so ``--profile wan`` after ``--profile lan`` reuses them when the round
+selection method is the same.
+
+Reported: totals as in Table II (offline/online time, offline/online GB) with the paper beside
+them and the ratio; per step rounds, bytes, compute, measured and analytic time; the peak
+resident memory of each server process; the bytes counted at the sockets (TLS) against the
+metered frame bytes; the targets of issue 7 (online <= 22 GB, online time <= 20 min, peak RSS
+<= 6 GiB per server on the LAN profile).
+
+``--estimate-from OUT.json`` (no run): the analytic time of this profile from the per-step
+rounds, bytes and compute seconds measured by an earlier full run (e.g. the LAN one), for
+when a direct run would take too long (WAN: ~50 minutes of emulated transfer).
+
+    starfish bench unlearning --profile lan --out out/unlearning-mnist-lan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from . import costs, offline, profiles
+from .report import machine_info, markdown_table, write_json
+from .synthetic import SyntheticConfig, config, prepare
+
+ONLINE_STEPS = ("TD", "RS", "UE", "TC", "aggregate")
+CLIENT_STEPS = ("correction",)   # simulated clients computing exact updates: no 2PC traffic
+TARGET_ONLINE_BYTES = 22e9
+TARGET_ONLINE_S = 20 * 60.0
+TARGET_RSS = 6 * 2**30
+
+
+def _program(party, spec: dict, data_path: str, method: str, t_delta: int, cprofile_dir: str | None,
+             schedule) -> dict:
+    import cProfile
+
+    import torch
+
+    from servers.unlearning import StarfishParams, run_stage2
+
+    from .steps import _warm_up
+    from .synthetic import SyntheticClients, SyntheticHistory, load_data
+
+    torch.set_num_threads(1)
+    cfg = SyntheticConfig.from_json(spec)
+    hist = SyntheticHistory(cfg, load_data(data_path), party.rank, party.wrap_share)
+    clients = SyntheticClients(hist)
+    p = offline.instrument(party, schedule)
+    _warm_up()
+    params = StarfishParams(sigma=cfg.sigma, beta=cfg.beta, buffer=cfg.buffer, method=method, t_delta=t_delta)
+    prof = cProfile.Profile() if cprofile_dir else None
+    if prof is not None:
+        prof.enable()
+    res = run_stage2(p, hist, list(cfg.targets), params, clients)
+    if prof is not None:
+        prof.disable()
+        Path(cprofile_dir).mkdir(parents=True, exist_ok=True)
+        prof.dump_stats(str(Path(cprofile_dir) / f"party{party.rank}.pstats"))
+    out = res.to_json()
+    out["model_sha256"] = hashlib.sha256(res.model.numpy().tobytes()).hexdigest()
+    out["model"] = res.model.numpy() if cfg.num_params <= 10_000 else None
+    out["client_computations"] = clients.computations
+    out["report"] = offline.party_report(p)
+    return out
+
+
+def _method(profile: profiles.NetworkProfile, requested: str, T: int) -> tuple[str, int, str]:
+    """(method for StarfishParams, t_delta, the method that will run) for this profile."""
+    from protocols.starfish.round_selection import choose_method
+    from protocols.starfish.switching import default_t_delta
+
+    name = profile.name if profile.name in ("lan", "wan") else "lan"
+    t_delta = default_t_delta(name)
+    return requested, t_delta, choose_method(T, requested, t_delta)
+
+
+def _cache_key(cfg: SyntheticConfig, runs_method: str) -> str:
+    text = f"{cfg.key()}|{runs_method}|{offline.code_fingerprint()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def step_rows(runs: offline.Runs, profile: profiles.NetworkProfile) -> list[dict]:
+    comp = offline.summarize_steps(runs.compute.meters, list(ONLINE_STEPS + CLIENT_STEPS))
+    meas = offline.summarize_steps(runs.link.meters, list(ONLINE_STEPS + CLIENT_STEPS)) if runs.link else comp
+    rows = []
+    for name in ONLINE_STEPS + CLIENT_STEPS:
+        if name not in meas:
+            continue
+        m, c = meas[name], comp[name]
+        row = {"step": name, "calls": m["calls"], "rounds": m["rounds"], "online_bytes": m["online_bytes"],
+               "bytes_per_direction": m["bytes_per_direction"], "offline_bytes": m["offline_bytes"],
+               "offline_bytes_to_party1": m["offline_bytes_to_party1"], "offline_rounds": m["offline_rounds"],
+               "online_s": m["online_s"], "offline_s": m["offline_s"], "compute_s": c["online_s"],
+               "offline_compute_s": c["offline_s"], "inline_offline_bytes": m["inline_offline_bytes"],
+               "client_side": name in CLIENT_STEPS}
+        if runs.link is not None:
+            row["analytic_online_s"] = profiles.analytic_seconds(m["rounds"], m["bytes_per_direction"],
+                                                                 c["online_s"], profile)
+            row["analytic_offline_s"] = profiles.analytic_seconds(m["offline_rounds"], m["offline_bytes_to_party1"],
+                                                                  c["offline_s"], profile)
+            row["online_rel_diff"] = profiles.relative_difference(m["online_s"], row["analytic_online_s"])
+            row["overlap_online_s"] = profiles.analytic_overlap_seconds(m["rounds"], m["bytes_per_direction"],
+                                                                        c["online_s"], profile)
+            row["overlap_rel_diff"] = profiles.relative_difference(m["online_s"], row["overlap_online_s"])
+            row["offline_rel_diff"] = profiles.relative_difference(m["offline_s"], row["analytic_offline_s"])
+        rows.append(row)
+    return rows
+
+
+def totals(rows: list[dict]) -> dict:
+    on = [r for r in rows if not r["client_side"]]
+    t = {k: sum(r[k] for r in on) for k in ("online_bytes", "offline_bytes", "online_s", "offline_s",
+                                            "compute_s", "rounds")}
+    if on and "analytic_online_s" in on[0]:
+        t["analytic_online_s"] = sum(r["analytic_online_s"] for r in on)
+        t["analytic_offline_s"] = sum(r["analytic_offline_s"] for r in on)
+        t["online_rel_diff"] = profiles.relative_difference(t["online_s"], t["analytic_online_s"])
+        if "overlap_online_s" in on[0]:
+            t["overlap_online_s"] = sum(r["overlap_online_s"] for r in on)
+            t["overlap_rel_diff"] = profiles.relative_difference(t["online_s"], t["overlap_online_s"])
+        t["offline_rel_diff"] = profiles.relative_difference(t["offline_s"], t["analytic_offline_s"])
+    t["client_s"] = sum(r["online_s"] for r in rows if r["client_side"])
+    return t
+
+
+def paper_row(profile: profiles.NetworkProfile, tot: dict) -> dict | None:
+    paper = costs.PAPER_TABLE2.get(profile.name) or (costs.PAPER_TABLE2["lan"] if profile.name == "none" else None)
+    if paper is None:
+        return None
+    return {"paper_profile": profile.name if profile.name in costs.PAPER_TABLE2 else "lan",
+            "offline_s": paper[0], "online_s": paper[1], "offline_gb": paper[2], "online_gb": paper[3],
+            "ratio_offline_s": costs.ratio(tot["offline_s"], paper[0]),
+            "ratio_online_s": costs.ratio(tot["online_s"], paper[1]),
+            "ratio_offline_gb": costs.ratio(costs.gb(tot["offline_bytes"]), paper[2]),
+            "ratio_online_gb": costs.ratio(costs.gb(tot["online_bytes"]), paper[3])}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:+.1f}%"
+
+
+def render(cfg: SyntheticConfig, profile, shaping, method_run: str, rows: list[dict], tot: dict,
+           paper: dict | None, rss: list[int], wire: dict, extra: list[str], linked: bool,
+           targets: list[dict], estimated: bool = False) -> str:
+    label = f"{profile.name} (estimate, additive)" if estimated else profile.name
+    t2 = [{"": label, "offline s": costs.fmt(tot["offline_s"]), "online s": costs.fmt(tot["online_s"]),
+           "offline GB": costs.fmt(costs.gb(tot["offline_bytes"])), "online GB": costs.fmt(costs.gb(tot["online_bytes"]))}]
+    if estimated and tot.get("overlap_online_s") is not None:
+        t2.append({"": f"{profile.name} (estimate, overlap bound)", "online s": costs.fmt(tot["overlap_online_s"]),
+                   "offline s": "", "offline GB": "", "online GB": ""})
+    if paper is not None:
+        t2.append({"": f"paper ({paper['paper_profile'].upper()})", "offline s": costs.fmt(paper["offline_s"]),
+                   "online s": costs.fmt(paper["online_s"]), "offline GB": costs.fmt(paper["offline_gb"]),
+                   "online GB": costs.fmt(paper["online_gb"])})
+        t2.append({"": "ratio ours / paper", "offline s": costs.fmt(paper["ratio_offline_s"], 3),
+                   "online s": costs.fmt(paper["ratio_online_s"], 3),
+                   "offline GB": costs.fmt(paper["ratio_offline_gb"], 3),
+                   "online GB": costs.fmt(paper["ratio_online_gb"], 3)})
+    table2 = markdown_table(t2, ["", "offline s", "online s", "offline GB", "online GB"])
+    srows = []
+    for r in rows:
+        d = {"step": r["step"] + (" (clients)" if r["client_side"] else ""), "calls": r["calls"],
+             "rounds": costs.fmt(r["rounds"]), "online GB": costs.fmt(costs.gb(r["online_bytes"])),
+             "offline GB": costs.fmt(costs.gb(r["offline_bytes"])), "compute s": costs.fmt(r["compute_s"]),
+             "online s": costs.fmt(r["online_s"]), "offline s": costs.fmt(r["offline_s"])}
+        if linked:
+            d["analytic online s"] = costs.fmt(r["analytic_online_s"])
+            d["diff"] = _pct(r["online_rel_diff"])
+            d["overlap bound s"] = costs.fmt(r.get("overlap_online_s"))
+            d["diff to bound"] = _pct(r.get("overlap_rel_diff"))
+        srows.append(d)
+    tr = {"step": "total (online steps)", "calls": "", "rounds": costs.fmt(tot["rounds"]),
+          "online GB": costs.fmt(costs.gb(tot["online_bytes"])), "offline GB": costs.fmt(costs.gb(tot["offline_bytes"])),
+          "compute s": costs.fmt(tot["compute_s"]), "online s": costs.fmt(tot["online_s"]),
+          "offline s": costs.fmt(tot["offline_s"])}
+    if linked:
+        tr["analytic online s"] = costs.fmt(tot["analytic_online_s"])
+        tr["diff"] = _pct(tot["online_rel_diff"])
+        tr["overlap bound s"] = costs.fmt(tot.get("overlap_online_s"))
+        tr["diff to bound"] = _pct(tot.get("overlap_rel_diff"))
+    srows.append(tr)
+    cols = ["step", "calls", "rounds", "online GB", "offline GB", "compute s", "online s", "offline s"]
+    if linked:
+        cols += ["analytic online s", "diff", "overlap bound s", "diff to bound"]
+    tstep = markdown_table(srows, cols)
+    wrows = [{"traffic": k, "metered bytes": costs.fmt(v["metered_bytes"]), "socket (TLS) bytes": costs.fmt(v["socket_bytes"]),
+              "difference": _pct(v["relative_difference"])} for k, v in wire.items()]
+    twire = markdown_table(wrows, ["traffic", "metered bytes", "socket (TLS) bytes", "difference"])
+    ttarget = markdown_table([{**t, "met": "yes" if t["met"] else "NO"} for t in targets],
+                             ["target", "limit", "reached", "met"]) if targets else ""
+    head = [f"## starfish bench unlearning: config {cfg.name} ({cfg.note}); synthetic history of the real shapes",
+            f"network: {profile.describe()}; applied by: {shaping.method} ({shaping.reason})",
+            f"round selection: {method_run}; targets {list(cfg.targets)}; GB = 1e9 bytes; online = server<->server "
+            "(both directions); offline = dealer<->servers material, fetched right before each step (both servers); "
+            "times are the larger of the two servers'. Online s sums the online steps (the simulated clients' "
+            "exact updates are listed apart). Analytic = rounds x one-way latency + bytes per direction x 8 / "
+            "bandwidth + compute (compute run); overlap bound = rounds x latency + max(compute, transfer).",
+            f"peak resident memory: server 0 {rss[0] / 2**30:.2f} GiB, server 1 {rss[1] / 2**30:.2f} GiB",
+            *extra]
+    parts = ["\n".join(head), table2, tstep, twire]
+    if ttarget:
+        parts.append(ttarget)
+    return "\n\n".join(parts)
+
+
+def target_rows(tot: dict, rss: list[int], profile) -> list[dict]:
+    if profile.name != "lan":
+        return []
+    return [
+        {"target": "online communication", "limit": "22 GB", "reached": f"{costs.gb(tot['online_bytes']):.2f} GB",
+         "met": tot["online_bytes"] <= TARGET_ONLINE_BYTES},
+        {"target": "online wall time", "limit": "20 min", "reached": f"{tot['online_s']:.0f} s = {tot['online_s'] / 60:.1f} min",
+         "met": tot["online_s"] <= TARGET_ONLINE_S},
+        {"target": "peak RSS per server", "limit": "6 GiB", "reached": f"{max(rss) / 2**30:.2f} GiB",
+         "met": max(rss) <= TARGET_RSS},
+    ]
+
+
+def estimate(from_json: str, profile: profiles.NetworkProfile) -> tuple[list[dict], dict, str]:
+    """Analytic per-step times on ``profile`` from an earlier run's rounds, bytes and compute."""
+    src = json.loads(Path(from_json).read_text())
+    rows = []
+    for r in src["steps"]:
+        r = dict(r)
+        r["analytic_online_s"] = profiles.analytic_seconds(r["rounds"], r["bytes_per_direction"], r["compute_s"], profile)
+        r["analytic_offline_s"] = profiles.analytic_seconds(r["offline_rounds"], r["offline_bytes_to_party1"],
+                                                            r["offline_compute_s"], profile)
+        r["overlap_online_s"] = profiles.analytic_overlap_seconds(r["rounds"], r["bytes_per_direction"],
+                                                                  r["compute_s"], profile)
+        r["online_s"], r["offline_s"] = r["analytic_online_s"], r["analytic_offline_s"]
+        r["online_rel_diff"] = r["offline_rel_diff"] = None
+        rows.append(r)
+    return rows, src, src["round_selection"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    profiles.add_profile_arguments(p, default="lan")
+    p.add_argument("--config", default="mnist", choices=["mnist", "small", "tiny"],
+                   help="synthetic history shapes (default mnist: 582,026 parameters, 20 clients, 40 rounds)")
+    p.add_argument("--clients", type=int, default=None,
+                   help="override the number of clients (a smaller run to validate a slow profile)")
+    p.add_argument("--rs-method", default="auto", choices=["auto", "ratio", "divide"],
+                   help="round selection: auto (default) = Method 1 below the profile's T_delta, else Method 2")
+    p.add_argument("--estimate-from", default=None, metavar="JSON",
+                   help="no run: analytic times on this profile from the steps of an earlier run's JSON")
+    p.add_argument("--cprofile", default=None, metavar="DIR",
+                   help="write cProfile statistics of each server (party0/1.pstats) to DIR (slows the run)")
+    p.add_argument("--cache-dir", default="out/bench-cache", help="synthetic data, schedules, compute runs")
+    p.add_argument("--fresh", action="store_true", help="re-record the schedule and redo the compute run")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds a party waits for its peer")
+    p.add_argument("--out", default=None, help="JSON output (default out/unlearning-<config>-<profile>.json)")
+
+
+def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
+    if args is None:
+        parser = argparse.ArgumentParser(prog="starfish bench unlearning", description=__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_arguments(parser)
+        args = parser.parse_args(argv)
+    try:
+        profile = profiles.profile_from_args(args)
+        shaping = (profiles.Shaping("analytic", f"estimated from {args.estimate_from}, not run")
+                   if args.estimate_from else profiles.choose_shaping(profile, args.shaping))
+    except (ValueError, RuntimeError) as exc:
+        print(f"starfish bench unlearning: {exc}", file=sys.stderr)
+        return 2
+    cfg = config(args.config)
+    if args.clients is not None:
+        cfg = cfg.with_(clients=args.clients, note=f"{cfg.note}; clients overridden to {args.clients}")
+    suffix = f"-n{cfg.clients}" if args.clients is not None else ""
+    out_path = args.out or f"out/unlearning-{cfg.name}{suffix}-{profile.name}{'-estimate' if args.estimate_from else ''}.json"
+
+    if args.estimate_from:
+        rows, src, method_run = estimate(args.estimate_from, profile)
+        tot = totals(rows)
+        rss = src["peak_rss_bytes"]
+        wire = src["wire"]
+        extra = [f"ESTIMATE, not a run: analytic times (rounds x one-way latency + bytes per direction x 8 / "
+                 f"bandwidth + compute) from the per-step rounds, bytes and compute seconds of {args.estimate_from} "
+                 f"(profile {src['profile']['name']}, measured {src['machine']['time']}); memory and wire rows "
+                 "are that run's."]
+        text = render(cfg, profile, shaping, method_run, rows, tot, paper_row(profile, tot), rss, wire, extra,
+                      True, target_rows(tot, rss, profile), estimated=True)
+        print(text)
+        payload = {"machine": machine_info(), "load_average_at_end": os.getloadavg(), "benchmark": "unlearning", "estimate_from": args.estimate_from,
+                   "config": cfg.to_json(), "profile": profile.to_json(), "shaping": shaping.to_json(),
+                   "round_selection": method_run, "steps": rows, "totals": tot, "paper": paper_row(profile, tot),
+                   "markdown": text}
+        path = write_json(out_path, payload)
+        Path(path).with_suffix(".md").write_text(text + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+        return 0
+
+    method, t_delta, method_run = _method(profile, args.rs_method, cfg.rounds)
+    t0 = time.perf_counter()
+    data_path = prepare(cfg, args.cache_dir)
+    print(f"synthetic history: {data_path} ({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
+    fn_args = (cfg.to_json(), str(data_path), method, t_delta, args.cprofile)
+    # The dealer requests of TD, RS, UE, TC are the same on every call: record them with one
+    # call of each (bench/steps.py's program on the same shapes) instead of a whole Stage II.
+    from . import steps as steps_bench
+
+    rs = "RS1" if method_run == "ratio" else "RS2"
+    record = (steps_bench._program, (cfg.to_json(), str(data_path), ["TD2", rs, "UE", "TC", "aggregate"], []))
+    aliases = {"TD": "TD2", "RS": rs, "UE": "UE", "TC": "TC", "aggregate": "aggregate"}
+    common = dict(cache_dir=args.cache_dir, key=_cache_key(cfg, method_run), prefix="unlearning",
+                  fresh=args.fresh or bool(args.cprofile), timeout=args.timeout, label=f"unlearning/{cfg.name}",
+                  record=record, aliases=aliases)
+    if shaping.method == "netem" and not os.environ.get(profiles.NETEM_ENV):
+        offline.measure(_program, fn_args, profile=profiles.resolve("none"), shaping=profiles.Shaping("none", ""),
+                        **common)
+        return profiles.run_under_netem(profile, profiles.forwarded_argv(["bench", "unlearning"], argv))
+    runs = offline.measure(_program, fn_args, profile=profile, shaping=shaping, **common)
+    final = runs.link or runs.compute
+    rows = step_rows(runs, profile)
+    tot = totals(rows)
+    reports = [v["report"] for v in final.values]
+    rss = [r["peak_rss_bytes"] for r in reports]
+    wire = offline.wire_check(final.meters)
+    v0, v1 = final.values
+    agree = v0["model_sha256"] == v1["model_sha256"] and v0["selected_rounds"] == v1["selected_rounds"]
+    mismatches = [m for r in reports for m in r.get("mismatches", [])]
+    wall = max(m["total"]["seconds"] for m in final.meters)
+    extra = [f"replay: {len(v0['selected_rounds'])} selected rounds, {v0['warmup_steps']} warm-up, checks at "
+             f"{v0['correction_steps']}, {v0['estimated_updates']} estimated client updates, flags "
+             f"{sum(len(f) for f in v0['flags'].values())}; both servers' models identical: {'yes' if agree else 'NO'}; "
+             f"whole session {wall:.1f}s (including offline prefetches and history reads); "
+             f"dealer-schedule mismatches: {len(mismatches)}"]
+    for i, r in enumerate(reports):
+        peak = r["peak_rss_bytes"]
+        first = next((name for name, hwm in r["step_peaks"] if hwm >= 0.99 * peak), None)
+        if first:
+            extra.append(f"server {i}: peak resident memory first reached during step {first}")
+    rec_rss = runs.schedule.meta.get("record_peak_rss_bytes")
+    if rec_rss:
+        extra.append("peak resident memory of the recording run (one call of each step, material fetched online "
+                     f"per request, no prefetch): {', '.join(f'{x / 2**30:.2f} GiB' for x in rec_rss)}")
+    if runs.seconds.get("compute_reused_from"):
+        extra.append(f"compute run reused from {runs.seconds['compute_reused_from']}")
+    targets = target_rows(tot, rss, profile)
+    paper = paper_row(profile, tot)
+    text = render(cfg, profile, shaping, method_run, rows, tot, paper, rss, wire, extra,
+                  runs.link is not None, targets)
+    print(text)
+    peaks = {f"server{i}": r["step_peaks"] for i, r in enumerate(reports)}
+    payload = {
+        "machine": machine_info(), "load_average_at_end": os.getloadavg(), "benchmark": "unlearning", "config": cfg.to_json(),
+        "history": "synthetic (bench/synthetic.py): values from a seeded generator, real shapes",
+        "profile": profile.to_json(), "shaping": shaping.to_json(), "round_selection": method_run,
+        "t_delta": t_delta, "steps": rows, "totals": tot, "paper": paper, "targets": targets,
+        "peak_rss_bytes": rss, "step_peaks": peaks, "wire": wire, "runs": runs.seconds,
+        "schedule_requests": runs.schedule.num_requests,
+        "schedule_meta": runs.schedule.meta, "mismatches": mismatches,
+        "stage2": {k: v for k, v in v0.items() if k not in ("report", "model")}, "servers_agree": agree,
+        "session_seconds": wall, "markdown": text,
+    }
+    path = write_json(out_path, payload)
+    Path(path).with_suffix(".md").write_text(text + "\n")
+    print(f"wrote {path} and {Path(path).with_suffix('.md')}", file=sys.stderr)
+    return 0 if agree else 1
+
+
+__all__ = ["main", "add_arguments", "step_rows", "totals", "estimate"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The cost benchmarks end to end on the tiny configuration (two processes, TLS, dealer)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import scaling, steps, synthetic, unlearning
+
+
+def test_unlearning_benchmark_tiny_with_an_emulated_link(tmp_path, capsys):
+    from servers.unlearning import StarfishParams, run_stage2
+
+    out = tmp_path / "u.json"
+    rc = unlearning.main(["--config", "tiny", "--profile", "custom", "--latency-ms", "1", "--bandwidth-mbps", "200",
+                          "--shaping", "emulate", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "applied by: link-emulation" in text and "analytic online s" in text
+    res = json.loads(out.read_text())
+    assert res["servers_agree"] and res["mismatches"] == []
+    names = [r["step"] for r in res["steps"]]
+    assert names[:5] == ["TD", "RS", "UE", "TC", "aggregate"]
+    tot = res["totals"]
+    assert tot["online_bytes"] > 0 and tot["offline_bytes"] > 0 and tot["analytic_online_s"] > 0
+    for r in res["steps"]:
+        if r["step"] in ("UE", "TC"):
+            assert r["offline_bytes"] > 0 and r["inline_offline_bytes"] == 0   # material came before the step
+    assert res["wire"]["online"]["socket_bytes"] >= res["wire"]["online"]["metered_bytes"]
+    assert all(p > 0 for p in res["peak_rss_bytes"])
+    # the 2PC run makes the same public decisions as the plaintext twin on the same history
+    cfg = synthetic.config("tiny")
+    h = synthetic.SyntheticHistory(cfg, synthetic.load_data(synthetic.prepare(cfg, tmp_path / "cache")), None)
+    plain = run_stage2(None, h, [0], StarfishParams(method=res["round_selection"]), synthetic.SyntheticClients(h))
+    assert res["stage2"]["selected_rounds"] == plain.selected_rounds
+    assert res["stage2"]["correction_steps"] == plain.correction_steps
+    assert res["stage2"]["flags"] == {str(k): v for k, v in plain.flags.items()}
+    # a WAN estimate from this run's steps needs no processes
+    est = tmp_path / "e.json"
+    assert unlearning.main(["--config", "tiny", "--profile", "wan", "--estimate-from", str(out), "--out", str(est)]) == 0
+    e = json.loads(est.read_text())
+    ue = next(r for r in e["steps"] if r["step"] == "UE")
+    assert ue["online_s"] == pytest.approx(ue["rounds"] * 0.036 + ue["bytes_per_direction"] * 8 / 1e8 + ue["compute_s"])
+
+
+def test_steps_benchmark_tiny_on_loopback(tmp_path):
+    out = tmp_path / "s.json"
+    rc = steps.main(["--config", "tiny", "--profile", "none", "--steps", "TD1,TD2,UE,TC", "--td1-samples", "1,2",
+                     "--cache-dir", str(tmp_path / "cache"), "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    rows = {r["step"]: r for r in res["rows"]}
+    assert set(rows) >= {"TD1", "TD2", "UE", "TC", "TD1 sample of 20", "TD1 sample of 40"}
+    assert rows["TD1"]["extrapolated"] and rows["TD1"]["rounds"] > rows["TD1 sample of 40"]["rounds"]
+    assert rows["TC"]["rounds"] == 18 and rows["TC"]["paper"]["online_gb"] == 2.66
+    assert rows["UE"]["ratio_online_gb"] == pytest.approx(rows["UE"]["online_bytes"] / 1e9 / 0.04)
+    assert out.with_suffix(".md").read_text().count("|") > 20
+
+
+def test_scaling_plot_and_fit(tmp_path):
+    def row(n, m, T):
+        st = {k: {"online_bytes": 48 * (n - 1) * m + 100 if k == "UE" else 448 * (n - 1) * m,
+                  "rounds": 5, "online_s": 0.1} for k in ("UE", "TC", "aggregate", "TD2", "RS1")}
+        return {"clients": n, "params": m, "rounds": T, "steps": st}
+
+    rows = [("clients", row(3, 100, 4)), ("clients", row(5, 100, 4)), ("params", row(3, 400, 4)),
+            ("rounds", row(3, 100, 8))]
+    a, b = scaling.fit_per_client_coordinate([r for _, r in rows], "UE")
+    assert a == pytest.approx(48) and b == pytest.approx(100, abs=1e-6)
+    scaling.plot(rows, tmp_path / "p.png", "test")
+    assert (tmp_path / "p.png").stat().st_size > 10_000
