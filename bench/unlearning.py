@@ -161,6 +161,9 @@ def render(cfg: SyntheticConfig, profile, shaping, method_run: str, rows: list[d
     if estimated and tot.get("overlap_online_s") is not None:
         t2.append({"": f"{profile.name} (estimate, overlap bound)", "online s": costs.fmt(tot["overlap_online_s"]),
                    "offline s": "", "offline GB": "", "online GB": ""})
+    if estimated and tot.get("calibrated_online_s") is not None:
+        t2.append({"": f"{profile.name} (estimate, calibrated)", "online s": costs.fmt(tot["calibrated_online_s"]),
+                   "offline s": "", "offline GB": "", "online GB": ""})
     if paper is not None:
         t2.append({"": f"paper ({paper['paper_profile'].upper()})", "offline s": costs.fmt(paper["offline_s"]),
                    "online s": costs.fmt(paper["online_s"]), "offline GB": costs.fmt(paper["offline_gb"]),
@@ -176,6 +179,8 @@ def render(cfg: SyntheticConfig, profile, shaping, method_run: str, rows: list[d
              "rounds": costs.fmt(r["rounds"]), "online GB": costs.fmt(costs.gb(r["online_bytes"])),
              "offline GB": costs.fmt(costs.gb(r["offline_bytes"])), "compute s": costs.fmt(r["compute_s"]),
              "online s": costs.fmt(r["online_s"]), "offline s": costs.fmt(r["offline_s"])}
+        if "calibrated_online_s" in r:
+            d["calibrated s"] = costs.fmt(r["calibrated_online_s"])
         if linked:
             d["analytic online s"] = costs.fmt(r["analytic_online_s"])
             d["diff"] = _pct(r["online_rel_diff"])
@@ -186,6 +191,8 @@ def render(cfg: SyntheticConfig, profile, shaping, method_run: str, rows: list[d
           "online GB": costs.fmt(costs.gb(tot["online_bytes"])), "offline GB": costs.fmt(costs.gb(tot["offline_bytes"])),
           "compute s": costs.fmt(tot["compute_s"]), "online s": costs.fmt(tot["online_s"]),
           "offline s": costs.fmt(tot["offline_s"])}
+    if tot.get("calibrated_online_s") is not None:
+        tr["calibrated s"] = costs.fmt(tot["calibrated_online_s"])
     if linked:
         tr["analytic online s"] = costs.fmt(tot["analytic_online_s"])
         tr["diff"] = _pct(tot["online_rel_diff"])
@@ -193,6 +200,8 @@ def render(cfg: SyntheticConfig, profile, shaping, method_run: str, rows: list[d
         tr["diff to bound"] = _pct(tot.get("overlap_rel_diff"))
     srows.append(tr)
     cols = ["step", "calls", "rounds", "online GB", "offline GB", "compute s", "online s", "offline s"]
+    if any("calibrated_online_s" in r for r in rows):
+        cols.append("calibrated s")
     if linked:
         cols += ["analytic online s", "diff", "overlap bound s", "diff to bound"]
     tstep = markdown_table(srows, cols)
@@ -229,9 +238,22 @@ def target_rows(tot: dict, rss: list[int], profile) -> list[dict]:
     ]
 
 
-def estimate(from_json: str, profile: profiles.NetworkProfile) -> tuple[list[dict], dict, str]:
-    """Analytic per-step times on ``profile`` from an earlier run's rounds, bytes and compute."""
+def estimate(from_json: str, profile: profiles.NetworkProfile,
+             calibrate_json: str | None = None) -> tuple[list[dict], dict, str, dict | None]:
+    """Analytic per-step times on ``profile`` from an earlier run's rounds, bytes and compute.
+
+    ``calibrate_json``: a *measured* run on this profile (e.g. fewer clients); each step's
+    analytic time is also multiplied by that run's measured / analytic ratio for the step.
+    """
     src = json.loads(Path(from_json).read_text())
+    cal = None
+    if calibrate_json:
+        c = json.loads(Path(calibrate_json).read_text())
+        if c["profile"]["name"] != profile.name or "estimate_from" in c:
+            raise ValueError(f"{calibrate_json} is not a measured run on profile {profile.name}")
+        cal = {"file": calibrate_json, "clients": c["config"]["clients"],
+               "factors": {r["step"]: r["online_s"] / r["analytic_online_s"] for r in c["steps"]
+                           if r.get("analytic_online_s")}}
     rows = []
     for r in src["steps"]:
         r = dict(r)
@@ -241,9 +263,12 @@ def estimate(from_json: str, profile: profiles.NetworkProfile) -> tuple[list[dic
         r["overlap_online_s"] = profiles.analytic_overlap_seconds(r["rounds"], r["bytes_per_direction"],
                                                                   r["compute_s"], profile)
         r["online_s"], r["offline_s"] = r["analytic_online_s"], r["analytic_offline_s"]
-        r["online_rel_diff"] = r["offline_rel_diff"] = None
+        r["online_rel_diff"] = r["offline_rel_diff"] = r["overlap_rel_diff"] = None
+        if cal is not None:
+            r["calibration_factor"] = cal["factors"].get(r["step"], 1.0)
+            r["calibrated_online_s"] = r["analytic_online_s"] * r["calibration_factor"]
         rows.append(r)
-    return rows, src, src["round_selection"]
+    return rows, src, src["round_selection"], cal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -256,6 +281,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="round selection: auto (default) = Method 1 below the profile's T_delta, else Method 2")
     p.add_argument("--estimate-from", default=None, metavar="JSON",
                    help="no run: analytic times on this profile from the steps of an earlier run's JSON")
+    p.add_argument("--calibrate-with", default=None, metavar="JSON",
+                   help="with --estimate-from: a measured run on this profile (e.g. --clients 5) whose per-step "
+                        "measured/analytic ratios also scale the estimate")
     p.add_argument("--cprofile", default=None, metavar="DIR",
                    help="write cProfile statistics of each server (party0/1.pstats) to DIR (slows the run)")
     p.add_argument("--cache-dir", default="out/bench-cache", help="synthetic data, schedules, compute runs")
@@ -284,21 +312,31 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     out_path = args.out or f"out/unlearning-{cfg.name}{suffix}-{profile.name}{'-estimate' if args.estimate_from else ''}.json"
 
     if args.estimate_from:
-        rows, src, method_run = estimate(args.estimate_from, profile)
+        rows, src, method_run, cal = estimate(args.estimate_from, profile, args.calibrate_with)
         tot = totals(rows)
+        tot["online_rel_diff"] = tot["overlap_rel_diff"] = None
+        if cal is not None:
+            tot["calibrated_online_s"] = sum(r["calibrated_online_s"] for r in rows if not r["client_side"])
         rss = src["peak_rss_bytes"]
         wire = src["wire"]
+        if src["round_selection"] != _method(profile, "auto", cfg.rounds)[2]:
+            method_run = (f"{src['round_selection']} (as in {args.estimate_from}; on {profile.name} auto would pick "
+                          f"{_method(profile, 'auto', cfg.rounds)[2]}: same rounds +-2%, bytes < 1.5 MB either way)")
         extra = [f"ESTIMATE, not a run: analytic times (rounds x one-way latency + bytes per direction x 8 / "
                  f"bandwidth + compute) from the per-step rounds, bytes and compute seconds of {args.estimate_from} "
                  f"(profile {src['profile']['name']}, measured {src['machine']['time']}); memory and wire rows "
                  "are that run's."]
+        if cal is not None:
+            extra.append(f"calibrated: each step's analytic time x (measured / analytic) of the same step in "
+                         f"{cal['file']} (a measured {profile.name} run with {cal['clients']} clients): "
+                         + ", ".join(f"{k} {v:.3f}" for k, v in cal["factors"].items()))
         text = render(cfg, profile, shaping, method_run, rows, tot, paper_row(profile, tot), rss, wire, extra,
                       True, target_rows(tot, rss, profile), estimated=True)
         print(text)
         payload = {"machine": machine_info(), "load_average_at_end": os.getloadavg(), "benchmark": "unlearning", "estimate_from": args.estimate_from,
                    "config": cfg.to_json(), "profile": profile.to_json(), "shaping": shaping.to_json(),
                    "round_selection": method_run, "steps": rows, "totals": tot, "paper": paper_row(profile, tot),
-                   "markdown": text}
+                   "calibration": cal, "markdown": text}
         path = write_json(out_path, payload)
         Path(path).with_suffix(".md").write_text(text + "\n")
         print(f"wrote {path}", file=sys.stderr)
