@@ -63,15 +63,10 @@ def _warm_up() -> None:
 
 
 # ----------------------------------------------------------------------------- party side
-def _program(party, spec: dict, data_path: str, steps: list[str], td1_samples: list[int],
-             schedule) -> dict:
+def party_setup(party, spec: dict, data_path: str, schedule):
+    """What every benchmark party program starts with: one thread, the synthetic history of
+    this party's shares, its simulated clients, dealer-material instrumentation, warm-up."""
     import torch
-
-    from protocols.backend import cat
-    from protocols.starfish import check_thresholds, determine_thresholds, estimate_updates, num_selected
-    from protocols.starfish.backend import reveal, stack, weighted_sum
-    from servers.lbfgs_pairs import PairBuffers
-    from servers.unlearning import StarfishParams, starfish_select
 
     from .synthetic import SyntheticClients, SyntheticHistory, load_data
 
@@ -81,6 +76,18 @@ def _program(party, spec: dict, data_path: str, steps: list[str], td1_samples: l
     clients = SyntheticClients(hist)
     p = offline.instrument(party, schedule)
     _warm_up()
+    return cfg, hist, clients, p
+
+
+def _program(party, spec: dict, data_path: str, steps: list[str], td1_samples: list[int],
+             schedule) -> dict:
+    from protocols.backend import cat
+    from protocols.starfish import check_thresholds, determine_thresholds, estimate_updates, num_selected
+    from protocols.starfish.backend import reveal, stack, weighted_sum
+    from servers.lbfgs_pairs import PairBuffers
+    from servers.unlearning import StarfishParams, starfish_select
+
+    cfg, hist, clients, p = party_setup(party, spec, data_path, schedule)
     rest, T, out = cfg.remaining, cfg.rounds, {}
 
     thr = None

@@ -47,19 +47,11 @@ def _program(party, spec: dict, data_path: str, method: str, t_delta: int, cprof
              schedule) -> dict:
     import cProfile
 
-    import torch
-
     from servers.unlearning import StarfishParams, run_stage2
 
-    from .steps import _warm_up
-    from .synthetic import SyntheticClients, SyntheticHistory, load_data
+    from .steps import party_setup
 
-    torch.set_num_threads(1)
-    cfg = SyntheticConfig.from_json(spec)
-    hist = SyntheticHistory(cfg, load_data(data_path), party.rank, party.wrap_share)
-    clients = SyntheticClients(hist)
-    p = offline.instrument(party, schedule)
-    _warm_up()
+    cfg, hist, clients, p = party_setup(party, spec, data_path, schedule)
     params = StarfishParams(sigma=cfg.sigma, beta=cfg.beta, buffer=cfg.buffer, method=method, t_delta=t_delta)
     prof = cProfile.Profile() if cprofile_dir else None
     if prof is not None:
