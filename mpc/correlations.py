@@ -7,6 +7,11 @@ seeds, computes the correlated value (e.g. c = a*b) and sends party 1 the *corre
 share that makes the pair add up. Party 0 therefore never talks to the dealer after
 receiving its seed, and party 1 receives one tensor per request (c1, r^2_1, ...).
 
+An ``edabit`` request (size, bits) yields a random r < 2**bits (any ring element for 64)
+shared twice: additively in the ring, and bit by bit (XOR) in the bit-plane layout of
+``mpc.bitplanes``. Both parties' plane shares come from their seeds; r is what they XOR
+to, so party 1 again receives only its arithmetic share.
+
 Each party's share is a uniform ring element given the other party's view, so neither
 server learns the correlated secrets. Requests are plain tuples of ints and strings (no
 pickled objects), so they can be sent to the dealer and recorded as a plan.
@@ -19,12 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import bitplanes
 from .prg import Prg
 
 # Ops for which a party may ask for a Beaver triple c = op(a, b); torch computes them
 # on int64 with wrap-around, which is arithmetic mod 2^64.
 TRIPLE_OPS = ("mul", "matmul", "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d")
-KINDS = ("triple", "square", "binary_triple", "wrap_rng", "b2a_rng")
+KINDS = ("triple", "square", "binary_triple", "wrap_rng", "b2a_rng", "edabit")
 MAX_ELEMENTS = 1 << 31  # per tensor in one request; a bound against absurd requests
 
 
@@ -61,6 +67,11 @@ def make_request(kind: str, *args: Any, **kwargs: Any) -> tuple:
         return ("binary_triple", _size(args[0]), _size(args[1]))
     if kind in ("square", "wrap_rng", "b2a_rng"):
         return (kind, _size(args[0]))
+    if kind == "edabit":
+        bits = int(args[1])
+        if not 1 <= bits <= 64:
+            raise RequestError(f"edabit width must be 1..64, got {bits}")
+        return ("edabit", _size(args[0]), bits)
     raise RequestError(f"unknown request kind {kind!r}")
 
 
@@ -75,6 +86,10 @@ def validate(req: Any) -> tuple:
         return make_request("triple", req[1], req[2], req[3], *req[4], **kwargs)
     if req[0] == "binary_triple":
         return make_request("binary_triple", req[1], req[2])
+    if req[0] == "edabit":
+        if len(req) != 3 or not isinstance(req[2], int):
+            raise RequestError(f"malformed edabit request {req!r:.200}")
+        return make_request("edabit", req[1], req[2])
     return make_request(req[0], req[1])
 
 
@@ -138,6 +153,8 @@ def party0_shares(req: tuple, seed0: bytes, index: int) -> tuple[torch.Tensor, .
         return _t(g.ring(req[1])), _t(g.ring(req[1]))
     if kind == "b2a_rng":
         return _t(g.ring(req[1])), _t(g.bits(req[1]))  # (arithmetic rA0, binary rB0)
+    if kind == "edabit":
+        return _t(g.ring(req[1])), _t(g.ring(_plane_shape(req)))  # (arithmetic r0, planes of r, share 0)
     raise RequestError(kind)
 
 
@@ -155,6 +172,8 @@ def party1_free_shares(req: tuple, seed1: bytes, index: int) -> tuple[torch.Tens
         return (_t(g.ring(req[1])),)
     if kind == "b2a_rng":
         return (_t(g.bits(req[1])),)  # binary rB1
+    if kind == "edabit":
+        return (_t(g.ring(_plane_shape(req))),)  # planes of r, share 1
     raise RequestError(kind)
 
 
@@ -175,6 +194,11 @@ def correction(req: tuple, seed0: bytes, seed1: bytes, index: int) -> torch.Tens
         return _wraps(p0[0], p1[0]) - p0[1]
     if kind == "b2a_rng":
         return (p0[1] ^ p1[0]) - p0[0]
+    if kind == "edabit":
+        # r is whatever the two random plane shares XOR to; only its arithmetic share is sent
+        n = int(np.prod(req[1], dtype=np.int64))
+        r = bitplanes.from_planes(p0[1] ^ p1[0], n).reshape(req[1])
+        return r - p0[0]
     raise RequestError(kind)
 
 
@@ -186,9 +210,14 @@ def party1_shares(req: tuple, seed1: bytes, index: int, corr: torch.Tensor) -> t
         return free[0], free[1], corr
     if kind in ("square", "wrap_rng"):
         return free[0], corr
-    if kind == "b2a_rng":
+    if kind in ("b2a_rng", "edabit"):
         return corr, free[0]
     raise RequestError(kind)
+
+
+def _plane_shape(req: tuple) -> tuple[int, int]:
+    """(bits, words) of an edabit request's bit planes (``mpc.bitplanes`` layout)."""
+    return (req[2], bitplanes.words(int(np.prod(req[1], dtype=np.int64))))
 
 
 def correction_shape(req: tuple) -> tuple[int, ...]:

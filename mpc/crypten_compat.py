@@ -66,12 +66,14 @@ from crypten.communicator import Communicator as CommunicatorBase  # noqa: E402
 from crypten.config import cfg  # noqa: E402
 from crypten.mpc.primitives import ArithmeticSharedTensor, BinarySharedTensor  # noqa: E402
 from crypten.mpc.provider.provider import TupleProvider as TupleProviderBase  # noqa: E402
+from crypten.mpc.provider.tfp_provider import TrustedFirstParty  # noqa: E402
 
 __all__ = [
     "crypten",
     "cfg",
     "CommunicatorBase",
     "TupleProviderBase",
+    "TrustedFirstParty",
     "ArithmeticSharedTensor",
     "BinarySharedTensor",
     "install_communicator",

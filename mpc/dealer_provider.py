@@ -99,6 +99,12 @@ class DealerProvider(TupleProviderBase):
         r, theta = self._shares(correlations.make_request("wrap_rng", size))
         return AST.from_shares(r, precision=0), AST.from_shares(theta, precision=0)
 
+    def edabits(self, size, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This party's shares of a random r < 2**bits: (ring share of r, XOR share of its
+        bit planes, shape (bits, words)). Raw tensors, for ``protocols.sign_test``."""
+        r, planes = self._shares(correlations.make_request("edabit", size, bits))
+        return r, planes
+
     def B2A_rng(self, size, device=None):
         ra, rb = self._shares(correlations.make_request("b2a_rng", size))
         return AST.from_shares(ra, precision=0), BST.from_shares(rb, precision=0)

@@ -22,10 +22,12 @@ from .communicator import TwoPartyCommunicator
 from .dealer import DealerLink
 from .dealer_provider import NAME as DEALER, DealerProvider
 from .encoding import DEFAULT_PRECISION
+from .tfp import TestOnlyTFP
 
 TFP = "TFP"
 _provider = DealerProvider()
 cc.register_provider(DEALER, _provider)
+cc.register_provider(TFP, TestOnlyTFP())  # CrypTen's TFP plus edabits; still refused by default
 
 
 class InsecureProviderError(RuntimeError):

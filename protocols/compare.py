@@ -30,6 +30,7 @@ import torch
 
 from . import backend as B
 from .backend import Tensor
+from .sign_test import nonnegative
 
 __all__ = [
     "ge",
@@ -44,15 +45,17 @@ __all__ = [
 def ge(x: Tensor, y: Tensor) -> Tensor:
     """SecGE: 1 where ``x >= y`` else 0 (shared bit if any input is shared).
 
-    The shared bit is encoded at scale 1 like CrypTen's own comparison results, so it
+    2PC: the sign test of ``x - y`` (:mod:`protocols.sign_test`: 75.25 bytes and 8 rounds
+    per element, against 432 bytes for CrypTen's ``>=``). The shared bit is encoded at
+    scale 1 like CrypTen's own comparison results, so it
     multiplies shared fixed-point values exactly; use :func:`select` (or
     :func:`protocols.backend.bit_to_fixed`) to combine it with public reals.
     Plaintext twin: a tensor of 0./1. in the promoted floating dtype of the inputs.
     """
     if B.is_shared(x):
-        return x >= y
+        return nonnegative(x - y)
     if B.is_shared(y):
-        return y <= x
+        return nonnegative(-y + x)
     x = torch.as_tensor(x)
     y = torch.as_tensor(y)
     return (x >= y).to(B.float_dtype(x, y))

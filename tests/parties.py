@@ -90,3 +90,14 @@ def seeded_noise(party, n):
     x = crypten.cryptensor(torch.zeros(n), src=0)
     y = x * x
     return y.share.numpy().copy()
+
+
+def sign_test_ring(party, share0, share1):
+    """[x >= 0] for raw ring elements x = share0 + share1 (mod 2^64), both providers."""
+    from protocols.sign_test import nonnegative
+
+    mine = torch.from_numpy(share0 if party.rank == 0 else share1)
+    x = crypten.mpc.MPCTensor.from_shares(mine, precision=0)
+    with party.meter("sign"):
+        bit = nonnegative(x)
+    return bit.reveal().numpy().copy(), list(bit.share.shape)

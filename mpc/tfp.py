@@ -1,0 +1,34 @@
+"""CrypTen's trusted-first-party provider, plus the correlations our protocols add.
+
+TEST ONLY: party 0 generates every correlated value, so it knows all of them and a
+computation run with it is not private. ``mpc.session`` registers it under CrypTen's
+name "TFP" and refuses it unless ``allow_insecure_tfp`` is set; daemons never set it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import bitplanes
+from .crypten_compat import ArithmeticSharedTensor as AST
+from .crypten_compat import BinarySharedTensor as BST
+from .crypten_compat import TrustedFirstParty, crypten
+
+__all__ = ["TestOnlyTFP"]
+
+
+class TestOnlyTFP(TrustedFirstParty):
+    NAME = "TFP"
+
+    def edabits(self, size, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as ``DealerProvider.edabits``; r is drawn by party 0 (src=0)."""
+        size = tuple(int(d) for d in (size if hasattr(size, "__len__") else (size,)))
+        n = 1
+        for d in size:
+            n *= d
+        gen = crypten.generators["local"][torch.device("cpu")]
+        r = torch.randint(-(2**63), 2**63 - 1, size, dtype=torch.int64, generator=gen)
+        if bits < 64:
+            r &= (1 << bits) - 1
+        planes = bitplanes.to_planes(r, bits)
+        return AST(r, precision=0, src=0).share, BST(planes, src=0).share
