@@ -3,9 +3,11 @@
 All functions accept plaintext torch tensors (the plaintext twin) or CrypTen MPCTensors, and
 broadcast over leading dimensions. Costs are for the 2PC path with CrypTen's protocols:
 
-* ``ge``: one CrypTen comparison per element: arithmetic-to-binary conversion, a log-depth
-  64-bit binary adder (binary Beaver triples) and a one-bit binary-to-arithmetic conversion;
-  all elements of a call share those rounds. Reveals nothing; the result is a shared bit.
+* ``ge``: one sign test of ``x - y`` per element (:mod:`protocols.sign_test`): open the
+  difference masked by a dealer edabit, compare the public mask-sum with the shared mask bit
+  by bit (6 AND rounds on bit planes), one-bit binary-to-arithmetic conversion: 8 rounds and
+  75.25 bytes per element, all elements of a call sharing the rounds. Reveals nothing; the
+  result is a shared bit.
 * ``ge_ratio``: one Beaver multiplication round (both cross products batched, untruncated)
   plus one ``ge``. Reveals nothing.
 * ``select``: one Beaver multiplication round when the condition is shared; local otherwise.

@@ -95,9 +95,12 @@ def compact_hvp(S: torch.Tensor, Y: Any, v: torch.Tensor, inverse: Inverse | Non
     z = w_inv.matmul(q)
     z1 = lmatmul(e1.T, z)                                    # (..., B, 1)
     z2 = lmatmul(e2.T, z)
-    # H v = sigma v - sigma (S z1) - Y z2; shared operands stay on the left of every
-    # operator (torch tensors do not know how to combine with CrypTen tensors).
-    hv = sigma * vcol - sigma * lmatmul(S, z1) - Y.matmul(z2)
+    # H v = sigma v - S (sigma z1) - Y z2. sigma z1 is a B-vector per client, so the only
+    # shared x shared product over m coordinates is Y z2 (S times a shared vector is local);
+    # sigma (S z1) would multiply two shared m-vectors (16 more bytes per coordinate).
+    # Shared operands stay on the left of every operator (torch tensors do not know how to
+    # combine with CrypTen tensors).
+    hv = sigma * vcol - lmatmul(S, sigma * z1) - Y.matmul(z2)
     return hv.squeeze(-1)
 
 
