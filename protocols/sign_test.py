@@ -17,7 +17,8 @@ with the masked-opening approach for a dealer setting:
    bit s shared both ways (an edabit of width 1): open e = b XOR s, then b = e + s - 2es.
 
 Per element, both directions: 16 bytes (open c) + 118 x 4 bits (AND openings) + 2 bits
-(B2A) = 75.25 bytes, 8 rounds; offline 8 bytes (r) + 14.75 bytes (AND triples) + 8 bytes
+(B2A) = 75.25 bytes, 8 rounds (below 64 elements the plane words are squeezed to their
+used bits, so small calls pay per element too); offline 8 bytes (r) + 14.75 bytes (AND triples) + 8 bytes
 (s) to server 1. Exact for every ring element (no range assumption beyond the ring's sign
 convention), like CrypTen's comparison. Reveals c (uniform), the AND openings (one-time
 pads) and e (uniform), i.e. nothing; the result stays shared.
@@ -27,6 +28,7 @@ The provider must offer ``edabits`` (our dealer and the test-only TFP do).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.distributed import ReduceOp
 
@@ -43,15 +45,37 @@ def _context():
     return comm, comm.get_rank(), crypten.mpc.get_default_provider()
 
 
-def and_gates(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _open_xor(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Open an XOR sharing of int64 words of which only the low ``width`` bits matter.
+
+    Below 64 the words are squeezed to their ``width`` low bits for the exchange (XOR acts
+    bit by bit, so squeezing commutes with it); the other bits come back 0. Planes of fewer
+    than 64 elements would otherwise send mostly padding.
+    """
+    comm = crypten.communicator.get()
+    if width >= 64:
+        return comm.all_reduce(t, op=ReduceOp.BXOR)
+    k = t.numel()
+    bits = np.unpackbits(t.reshape(-1).numpy().view(np.uint8), bitorder="little").reshape(k, 64)
+    packed = np.packbits(bits[:, :width].reshape(-1), bitorder="little")
+    packed = np.pad(packed, (0, -len(packed) % 8)).view(np.int64)
+    opened = comm.all_reduce(torch.from_numpy(packed), op=ReduceOp.BXOR)
+    flat = np.unpackbits(opened.numpy().view(np.uint8), bitorder="little")[: k * width].reshape(k, width)
+    full = np.zeros((k, 64), dtype=np.uint8)
+    full[:, :width] = flat
+    return torch.from_numpy(np.packbits(full, axis=1, bitorder="little").reshape(-1).view(np.int64).copy()).reshape(t.shape)
+
+
+def and_gates(x: torch.Tensor, y: torch.Tensor, width: int = 64) -> torch.Tensor:
     """This party's XOR share of ``x AND y`` (bitwise, same shapes); one round.
 
-    ``x``, ``y`` are this party's XOR shares (int64 words, all 64 bits used). Beaver AND
-    with a binary triple (a, b, a AND b) from the provider: open d = x ^ a, e = y ^ b.
+    ``x``, ``y`` are this party's XOR shares (int64 words; only the low ``width`` bits of
+    each are used and sent). Beaver AND with a binary triple (a, b, a AND b) from the
+    provider: open d = x ^ a, e = y ^ b.
     """
-    comm, rank, provider = _context()
+    _, rank, provider = _context()
     a, b, c = (t.share for t in provider.generate_binary_triple(x.size(), y.size()))
-    opened = comm.all_reduce(torch.stack([x ^ a, y ^ b]), op=ReduceOp.BXOR)
+    opened = _open_xor(torch.stack([x ^ a, y ^ b]), width)
     d, e = opened[0], opened[1]
     z = c ^ (d & b) ^ (e & a)
     if rank == 0:
@@ -59,7 +83,8 @@ def and_gates(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return z
 
 
-def _public_less_than_shared(c_planes: torch.Tensor, r_planes: torch.Tensor, rank: int) -> torch.Tensor:
+def _public_less_than_shared(c_planes: torch.Tensor, r_planes: torch.Tensor, rank: int,
+                             width: int) -> torch.Tensor:
     """XOR share (one plane) of [c < r] for public c and shared r given as (k, words) planes,
     plane 0 the least significant bit."""
     not_c = ~c_planes
@@ -74,7 +99,7 @@ def _public_less_than_shared(c_planes: torch.Tensor, r_planes: torch.Tensor, ran
         last = k == 2
         left = p_hi if last else torch.cat([p_hi, p_hi[1:]])
         right = g_lo if last else torch.cat([g_lo, p_lo[1:]])
-        prod = and_gates(left, right)
+        prod = and_gates(left, right, width)
         new_g = g_hi ^ prod[:pairs]
         new_p = None if last else torch.cat([torch.zeros_like(p_hi[:1]), prod[pairs:]])
         if k % 2:  # the top segment has no partner at this level: carried up unchanged
@@ -98,12 +123,13 @@ def nonnegative(x):
     r, r_planes = provider.edabits((n,), 64)
     c = comm.all_reduce(flat + r)
     c_planes = bitplanes.to_planes(c)
-    borrow = _public_less_than_shared(c_planes[:63], r_planes[:63], rank)
+    width = min(n, 64)  # meaningful bits per plane word
+    borrow = _public_less_than_shared(c_planes[:63], r_planes[:63], rank, width)
     msb = borrow ^ r_planes[63]
     if rank == 0:
         msb ^= c_planes[63] ^ _ALL_ONES  # public top bit of c, and NOT (nonnegative = not msb)
     s, s_plane = provider.edabits((n,), 1)
-    e = bitplanes.from_planes(comm.all_reduce(msb ^ s_plane[0], op=ReduceOp.BXOR).unsqueeze(0), n)
+    e = bitplanes.from_planes(_open_xor(msb ^ s_plane[0], width).unsqueeze(0), n)
     bit = s * (1 - 2 * e)
     if rank == 0:
         bit += e

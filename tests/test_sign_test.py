@@ -69,9 +69,9 @@ def test_edabit_requests_are_validated():
         correlations.validate(["edabit", [4]])
 
 
-@pytest.mark.parametrize("provider", ["dealer", "tfp"])
-def test_sign_test_is_exact_on_the_whole_ring(provider):
-    x = np.concatenate([EDGES, RNG.integers(-(2**63), 2**63 - 1, 4000, dtype=np.int64)]).reshape(-1, 7)
+@pytest.mark.parametrize("provider,n", [("dealer", 4011), ("tfp", 4011), ("dealer", 11), ("dealer", 1)])
+def test_sign_test_is_exact_on_the_whole_ring(provider, n):
+    x = np.concatenate([EDGES, RNG.integers(-(2**63), 2**63 - 1, 4000, dtype=np.int64)])[:n].reshape(-1, 1)
     mask = RNG.integers(-(2**63), 2**63 - 1, x.shape, dtype=np.int64)
     with np.errstate(over="ignore"):
         share0 = x - mask  # wraps mod 2^64 like the ring
@@ -81,9 +81,14 @@ def test_sign_test_is_exact_on_the_whole_ring(provider):
     assert np.array_equal(bit0, bit1)
     assert np.array_equal(bit0, (x >= 0).astype(bit0.dtype))
     # communication as the protocol docstring states: per party 8 bytes per element for c,
-    # 2 words per AND plane word (118 planes per element) and one word per plane for B2A
-    n, w = x.size, bitplanes.words(x.size)
+    # 2 words per AND plane word (118 planes per element) and one word per plane for B2A;
+    # below 64 elements only the used bits of those words, per round rounded up to a word
+    w = bitplanes.words(n)
     step = res.meters[0]["steps"]["sign"]
-    payload = 8 * n + 8 * (2 * 118 * w + w)
+    if n >= 64:
+        payload = 8 * n + 8 * (2 * 118 * w + w)
+    else:
+        and_planes = (61, 31, 15, 7, 3, 1)
+        payload = 8 * n + sum(8 * -(-2 * k * n // 64) for k in and_planes) + 8 * -(-n // 64)
     assert step["online_rounds"] == 8
     assert step["online_bytes_sent"] == payload + 8 * 9  # one 9-byte frame header per round
