@@ -5,9 +5,13 @@ aggregate for the n-1 remaining clients; its cost depends on n and m, not on T. 
 request steps TD (SecMax over T thresholds per client) and RS (sorting T rounds, Method 1) depend
 on T (and TD on n). Every grid point is one two-party session on a synthetic history of that shape
 (``bench/synthetic.py``), dealer material prefetched per step, no emulated link: *seconds* are
-online compute on loopback (add rounds x latency + bytes / bandwidth for a link, see
-``bench/profiles.py``). Three one-dimensional grids around a base point; PNG plots (bytes, rounds,
-seconds against each variable) and a least-squares fit of bytes per client-coordinate.
+online compute on loopback. Then, for every profile of ``--profiles`` (default lan,wan), the same
+session runs again with the profile applied to the server link and the dealer link by the
+transport's emulation (``mpc.LinkProfile``; one process measures several profiles, so the netem
+re-execution of ``steps``/``unlearning`` is not used here), reported beside the analytic time
+(rounds x latency + bytes per direction / bandwidth + compute, ``bench/profiles.py``). Three
+one-dimensional grids around a base point; PNG plots (bytes, rounds, compute seconds and the
+per-profile times against each variable) and a least-squares fit of bytes per client-coordinate.
 
     starfish bench scaling --out out/scaling.json      # writes out/scaling.png too
 """
@@ -54,13 +58,35 @@ def grid(clients: list[int], params: list[int], rounds: list[int], base: dict) -
     return out
 
 
-def measure_point(cfg: SyntheticConfig, cache_dir: str, fresh: bool, timeout: float) -> dict:
+LINK_SHAPING = profiles.Shaping("link-emulation", "the transport's LinkProfile on the server link and the dealer link")
+
+
+def _session(cfg: SyntheticConfig, cache_dir: str, fresh: bool, timeout: float, profile, shaping):
     steps = list(SETUP_STEPS + ROUND_STEPS)
     data = prepare(cfg, cache_dir)
     key = hashlib.sha256(f"{cfg.key()}|{steps}|{offline.code_fingerprint()}".encode()).hexdigest()[:16]
-    runs = offline.measure(_program, (cfg.to_json(), str(data), steps, []), profile=profiles.resolve("none"),
-                           shaping=profiles.Shaping("none", "loopback"), cache_dir=cache_dir, key=key,
-                           prefix="scaling", fresh=fresh, timeout=timeout, label=cfg.name)
+    return offline.measure(_program, (cfg.to_json(), str(data), steps, []), profile=profile, shaping=shaping,
+                           cache_dir=cache_dir, key=key, prefix="scaling", fresh=fresh, timeout=timeout,
+                           label=cfg.name)
+
+
+def link_times(cfg: SyntheticConfig, profile, cache_dir: str, timeout: float) -> dict:
+    """Measured (emulated link) and analytic seconds of one round and of TD+RS on ``profile``;
+    the compute run and schedule come from the cache that ``measure_point`` filled."""
+    runs = _session(cfg, cache_dir, False, timeout, profile, LINK_SHAPING)
+    comp = offline.summarize_steps(runs.compute.meters)
+    link = offline.summarize_steps(runs.link.meters)
+    out = {}
+    for group, names in (("round", ROUND_STEPS), ("setup", SETUP_STEPS)):
+        out[f"{group}_s"] = sum(link[k]["online_s"] for k in names)
+        out[f"{group}_analytic_s"] = sum(profiles.analytic_seconds(comp[k]["rounds"], comp[k]["bytes_per_direction"],
+                                                                   comp[k]["online_s"], profile) for k in names)
+    return out
+
+
+def measure_point(cfg: SyntheticConfig, cache_dir: str, fresh: bool, timeout: float) -> dict:
+    steps = list(SETUP_STEPS + ROUND_STEPS)
+    runs = _session(cfg, cache_dir, fresh, timeout, profiles.resolve("none"), profiles.Shaping("none", "loopback"))
     summ = offline.summarize_steps(runs.compute.meters)
     row = {"clients": cfg.clients, "params": cfg.num_params, "rounds": cfg.rounds,
            "steps": {k: summ[k] for k in steps if k in summ}}
@@ -92,7 +118,7 @@ def plot(rows: list[tuple[str, dict]], path: Path, where: str) -> None:
 
     axes_spec = [("clients", "clients n", ROUND_STEPS), ("params", "model size m (parameters)", ROUND_STEPS),
                  ("rounds", "FL rounds T", SETUP_STEPS + ROUND_STEPS)]
-    fig, axs = plt.subplots(3, 3, figsize=(14, 11))
+    fig, axs = plt.subplots(4, 3, figsize=(14, 14))
     for col, (axis, label, steps) in enumerate(axes_spec):
         pts = sorted((r for a, r in rows if a == axis), key=lambda r: r[axis])
         if not pts:
@@ -116,6 +142,21 @@ def plot(rows: list[tuple[str, dict]], path: Path, where: str) -> None:
                 ax.set_yscale("log")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
+        ax = axs[3][col]
+        if not pts[0].get("links"):
+            ax.set_visible(False)  # loopback only: no link runs to show
+            continue
+        group, what = ("setup", "TD+RS") if axis == "rounds" else ("round", "one round")
+        for name in sorted(pts[0]["links"]):
+            line, = ax.plot(xs, [r["links"][name][f"{group}_s"] for r in pts], marker="o", label=f"{what}, {name}")
+            ax.plot(xs, [r["links"][name][f"{group}_analytic_s"] for r in pts], "--", color=line.get_color(),
+                    label=f"{what}, {name}, analytic")
+        ax.set_xlabel(label)
+        ax.set_ylabel("online s, emulated link")
+        if axis == "params":
+            ax.set_xscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
     fig.suptitle("Starfish 2PC cost (synthetic history, dealer, loopback): one unlearning round vs clients and "
                  f"model size; TD/RS and one round vs T\n({where})", fontsize=10)
     fig.tight_layout()
@@ -134,6 +175,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-rounds", type=int, default=10, help="T of the clients and model axes (default 10)")
     p.add_argument("--small-clients", type=int, default=5, help="clients of the model and T axes (default 5)")
     p.add_argument("--small-params", type=int, default=10_000, help="model size of the T axis (default 1e4)")
+    p.add_argument("--profiles", default="lan,wan",
+                   help="link profiles measured at every point after the loopback run (default lan,wan; "
+                        "'none' = loopback only)")
     p.add_argument("--cache-dir", default="out/bench-cache")
     p.add_argument("--fresh", action="store_true", help="ignore cached schedules and compute runs")
     p.add_argument("--timeout", type=float, default=3600.0)
@@ -152,10 +196,13 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     rows: list[tuple[str, dict]] = []
     done: dict[str, dict] = {}
     t0 = time.perf_counter()
+    links = [profiles.resolve(n.strip()) for n in args.profiles.split(",") if n.strip() and n.strip() != "none"]
     for axis, cfg in points:
         if cfg.name not in done:
             print(f"scaling: {cfg.name} ...", file=sys.stderr, flush=True)
-            done[cfg.name] = measure_point(cfg, args.cache_dir, args.fresh, args.timeout)
+            row = measure_point(cfg, args.cache_dir, args.fresh, args.timeout)
+            row["links"] = {prof.name: link_times(cfg, prof, args.cache_dir, args.timeout) for prof in links}
+            done[cfg.name] = row
         rows.append((axis, done[cfg.name]))
     table = []
     for axis, r in rows:
@@ -176,6 +223,24 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     cols = ["axis", "clients", "params", "T", "round MB", "round rounds", "round s", "UE MB", "TC MB",
             "TD+RS MB", "TD+RS rounds", "TD+RS s"]
     text = "\n".join(lines) + "\n\n" + markdown_table(table, cols)
+    if links:
+        ltable = []
+        for axis, r in rows:
+            d = {"axis": axis, "clients": r["clients"], "params": r["params"], "T": r["rounds"]}
+            for prof in links:
+                t = r["links"][prof.name]
+                for group, label in (("round", "round"), ("setup", "TD+RS")):
+                    d[f"{label} s {prof.name}"] = costs.fmt(t[f"{group}_s"])
+                    d[f"{label} analytic {prof.name}"] = costs.fmt(t[f"{group}_analytic_s"])
+                    diff = profiles.relative_difference(t[f"{group}_s"], t[f"{group}_analytic_s"])
+                    d[f"{label} diff {prof.name}"] = "-" if diff is None else f"{diff:+.1%}"
+            ltable.append(d)
+        lcols = ["axis", "clients", "params", "T"] + [f"{label} {q} {prof.name}" for prof in links
+                                                       for label in ("round", "TD+RS")
+                                                       for q in ("s", "analytic", "diff")]
+        text += ("\n\nwith a link (" + "; ".join(p.describe() for p in links) + "), applied by the transport's "
+                 "emulation on the server and dealer links; s = measured online seconds, analytic = rounds x "
+                 "one-way latency + bytes per direction x 8 / bandwidth + compute\n\n" + markdown_table(ltable, lcols))
     print(text)
     out = Path(args.out)
     png = out.with_suffix(".png")
@@ -185,6 +250,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     plot(rows, png, where)
     write_json(out, {"machine": machine_info(), "load_average_at_end": os.getloadavg(), "benchmark": "scaling",
                      "history": "synthetic (bench/synthetic.py)", "profile": "none (loopback)",
+                     "link_profiles": [{**p.to_json(), "shaping": LINK_SHAPING.to_json()} for p in links],
                      "points": [{"axis": a, **r} for a, r in rows],
                      "fits_bytes_per_client_coordinate": {k: {"a": a, "b": b} for k, (a, b) in fits.items()},
                      "plot": str(png), "markdown": text})

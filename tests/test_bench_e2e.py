@@ -70,3 +70,20 @@ def test_scaling_plot_and_fit(tmp_path):
     assert a == pytest.approx(48) and b == pytest.approx(100, abs=1e-6)
     scaling.plot(rows, tmp_path / "p.png", "test")
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_scaling_measures_each_link_profile(tmp_path):
+    out = tmp_path / "scaling.json"
+    assert scaling.main(["--clients", "3", "--params", "300", "--rounds", "4", "--base-params", "300",
+                         "--base-rounds", "4", "--small-clients", "3", "--small-params", "300",
+                         "--profiles", "wan", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    point = data["points"][0]
+    wan = point["links"]["wan"]
+    # the emulated WAN link delays every round by at least its one-way latency (36 ms)
+    round_rounds = sum(point["steps"][k]["rounds"] for k in scaling.ROUND_STEPS)
+    assert wan["round_s"] >= round_rounds * 0.036
+    assert wan["round_s"] == pytest.approx(wan["round_analytic_s"], rel=0.25)
+    assert data["link_profiles"][0]["shaping"]["method"] == "link-emulation"
+    assert "round s wan" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").stat().st_size > 10_000
