@@ -380,6 +380,13 @@ def measure(fn, args: tuple, *, profile, shaping, cache_dir: str | os.PathLike, 
     return runs
 
 
+def add_cache_arguments(p) -> None:
+    """--cache-dir, --fresh, --timeout: the options of every benchmark built on ``measure``."""
+    p.add_argument("--cache-dir", default="out/bench-cache", help="synthetic data, schedules, compute runs")
+    p.add_argument("--fresh", action="store_true", help="re-record the schedule and redo the compute run")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds a party waits for its peer")
+
+
 def wire_check(meters: list[dict]) -> dict:
     """Metered frame bytes vs TLS bytes counted at the sockets, per kind of traffic.
 

@@ -178,9 +178,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profiles", default="lan,wan",
                    help="link profiles measured at every point after the loopback run (default lan,wan; "
                         "'none' = loopback only)")
-    p.add_argument("--cache-dir", default="out/bench-cache")
-    p.add_argument("--fresh", action="store_true", help="ignore cached schedules and compute runs")
-    p.add_argument("--timeout", type=float, default=3600.0)
+    offline.add_cache_arguments(p)
     p.add_argument("--out", default="out/scaling.json", help="JSON output; the PNG and .md go beside it")
 
 

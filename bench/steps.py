@@ -260,9 +260,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma list of {', '.join(STEPS)}")
     p.add_argument("--td1-samples", default=",".join(map(str, TD1_SAMPLES)),
                    help="coordinates per stored update in the TD1 samples (two sizes; default 4,16)")
-    p.add_argument("--cache-dir", default="out/bench-cache", help="synthetic data, schedules, compute runs")
-    p.add_argument("--fresh", action="store_true", help="re-record the schedule and redo the compute run")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds a party waits for its peer")
+    offline.add_cache_arguments(p)
     p.add_argument("--out", default=None, help="JSON output (default out/steps-<config>-<profile>.json)")
 
 

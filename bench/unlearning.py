@@ -165,32 +165,22 @@ def render(cfg: SyntheticConfig, profile, shaping, method_run: str, rows: list[d
                    "offline GB": costs.fmt(paper["ratio_offline_gb"], 3),
                    "online GB": costs.fmt(paper["ratio_online_gb"], 3)})
     table2 = markdown_table(t2, ["", "offline s", "online s", "offline GB", "online GB"])
-    srows = []
-    for r in rows:
-        d = {"step": r["step"] + (" (clients)" if r["client_side"] else ""), "calls": r["calls"],
-             "rounds": costs.fmt(r["rounds"]), "online GB": costs.fmt(costs.gb(r["online_bytes"])),
-             "offline GB": costs.fmt(costs.gb(r["offline_bytes"])), "compute s": costs.fmt(r["compute_s"]),
-             "online s": costs.fmt(r["online_s"]), "offline s": costs.fmt(r["offline_s"])}
-        if "calibrated_online_s" in r:
+    def cells(step: str, calls, r: dict) -> dict:
+        d = {"step": step, "calls": calls, "rounds": costs.fmt(r["rounds"]),
+             "online GB": costs.fmt(costs.gb(r["online_bytes"])), "offline GB": costs.fmt(costs.gb(r["offline_bytes"])),
+             "compute s": costs.fmt(r["compute_s"]), "online s": costs.fmt(r["online_s"]),
+             "offline s": costs.fmt(r["offline_s"])}
+        if r.get("calibrated_online_s") is not None:
             d["calibrated s"] = costs.fmt(r["calibrated_online_s"])
         if linked:
             d["analytic online s"] = costs.fmt(r["analytic_online_s"])
             d["diff"] = _pct(r["online_rel_diff"])
             d["overlap bound s"] = costs.fmt(r.get("overlap_online_s"))
             d["diff to bound"] = _pct(r.get("overlap_rel_diff"))
-        srows.append(d)
-    tr = {"step": "total (online steps)", "calls": "", "rounds": costs.fmt(tot["rounds"]),
-          "online GB": costs.fmt(costs.gb(tot["online_bytes"])), "offline GB": costs.fmt(costs.gb(tot["offline_bytes"])),
-          "compute s": costs.fmt(tot["compute_s"]), "online s": costs.fmt(tot["online_s"]),
-          "offline s": costs.fmt(tot["offline_s"])}
-    if tot.get("calibrated_online_s") is not None:
-        tr["calibrated s"] = costs.fmt(tot["calibrated_online_s"])
-    if linked:
-        tr["analytic online s"] = costs.fmt(tot["analytic_online_s"])
-        tr["diff"] = _pct(tot["online_rel_diff"])
-        tr["overlap bound s"] = costs.fmt(tot.get("overlap_online_s"))
-        tr["diff to bound"] = _pct(tot.get("overlap_rel_diff"))
-    srows.append(tr)
+        return d
+
+    srows = [cells(r["step"] + (" (clients)" if r["client_side"] else ""), r["calls"], r) for r in rows]
+    srows.append(cells("total (online steps)", "", tot))
     cols = ["step", "calls", "rounds", "online GB", "offline GB", "compute s", "online s", "offline s"]
     if any("calibrated_online_s" in r for r in rows):
         cols.append("calibrated s")
@@ -278,9 +268,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "measured/analytic ratios also scale the estimate")
     p.add_argument("--cprofile", default=None, metavar="DIR",
                    help="write cProfile statistics of each server (party0/1.pstats) to DIR (slows the run)")
-    p.add_argument("--cache-dir", default="out/bench-cache", help="synthetic data, schedules, compute runs")
-    p.add_argument("--fresh", action="store_true", help="re-record the schedule and redo the compute run")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds a party waits for its peer")
+    offline.add_cache_arguments(p)
     p.add_argument("--out", default=None, help="JSON output (default out/unlearning-<config>-<profile>.json)")
 
 

@@ -23,9 +23,6 @@ class TestOnlyTFP(TrustedFirstParty):
     def edabits(self, size, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Same contract as ``DealerProvider.edabits``; r is drawn by party 0 (src=0)."""
         size = tuple(int(d) for d in (size if hasattr(size, "__len__") else (size,)))
-        n = 1
-        for d in size:
-            n *= d
         gen = crypten.generators["local"][torch.device("cpu")]
         r = torch.randint(-(2**63), 2**63 - 1, size, dtype=torch.int64, generator=gen)
         if bits < 64:
