@@ -83,8 +83,7 @@ class Schedule:
 
 
 #: sources whose changes can change the dealer requests of a benchmark run
-_FINGERPRINTED = ("bench", "protocols", "mpc", "servers/unlearning.py", "servers/lbfgs_pairs.py",
-                  "servers/history.py")
+_FINGERPRINTED = ("bench", "protocols", "mpc")
 
 
 def code_fingerprint() -> str:

@@ -10,8 +10,8 @@ emulated link) for several T, then predicts each method's time on a link as
 
 and reports, per link profile, T_delta = the smallest measured T from which Method 2 is
 predicted faster (None: Method 1 at every measured T); the formula and profiles live in
-``protocols/starfish/switching.py``. ``--write-default`` stores the measured table in
-``protocols/starfish/rs_switch.json``, from which ``method="auto"`` takes its default
+``protocols/starfish/round_selection.py``. ``--write-default`` stores the measured table in
+``protocols/starfish/data/t_delta.json`` (package data), from which ``method="auto"`` takes its default
 T_delta (LAN profile).
 
     starfish bench rs-switch --T 8,16,32,64,128,256 --out out/rs_switch.json
@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .report import machine_info, markdown_table, write_json
+from protocols.starfish.round_selection import LINK_PROFILES as PROFILES
+from protocols.starfish.round_selection import T_DELTA_TABLE as DEFAULT_FILE
+from protocols.starfish.round_selection import predicted_seconds, t_delta_from
 
-from protocols.starfish.switching import MEASUREMENT as DEFAULT_FILE  # noqa: E402
-from protocols.starfish.switching import PROFILES, predicted_seconds, t_delta_from  # noqa: E402
+from .report import machine_info, markdown_table, write_json
 
 
 def _program(party, T: int, seed: int) -> dict:

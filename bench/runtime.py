@@ -1,7 +1,7 @@
 """Cost of the runtime's basic operations: N multiplications and N comparisons.
 
 ``ge`` is CrypTen's own comparison (``x >= y`` on MPCTensors); ``ge_planes`` is ours
-(``protocols.compare.ge``: the sign test of ``protocols.sign_test``), which every protocol of
+(``protocols.compare.ge``: the sign test of ``mpc.nonnegative``), which every protocol of
 this project uses.
 
 For the dealer provider each operation runs twice: once to record the (data-independent)

@@ -3,7 +3,7 @@
 Why a harness: to show that the secure path equals its plaintext twin, the lab's FL
 history is split into additive shares exactly as clients would upload them (updates, norms
 and thresholds encoded in fixed point, share 0 from a CSPRNG), each share set is written to
-that server's durable ShareStore in its own process, and ``servers.unlearning.run_stage2``
+that server's durable ShareStore in its own process, and ``protocols.starfish.run_stage2``
 runs on both under ``mpc.run_parties`` (TLS, dealer). Each server only ever receives its
 own shares (``party_args``).
 
@@ -28,8 +28,12 @@ import torch
 from mpc import encoding
 from mpc.prg import Prg, new_seed
 from mpc.sharing import share
-from servers.history import History
-from servers.unlearning import StarfishParams, run_stage2
+from protocols.starfish import StarfishParams, run_stage2
+from protocols.starfish.ports import History
+from servers.share_history import ShareHistory
+from servers.share_store import ClientShares, ShareStore
+
+from .lab_setup import build_setup
 
 NORM_DELTA_PRECISION = encoding.DEFAULT_PRECISION
 
@@ -78,10 +82,6 @@ class SimulatedShareClients:
 def _server(party, lab_args: dict, targets: list[int], params: StarfishParams, store_root: str,
             client_key: bytes, m0: np.ndarray, server_lr: float, my_rounds: list[dict]) -> dict:
     """One server: store its shares durably, then run Stage II on them under 2PC."""
-    from servers.share_store import ClientShares, ShareStore
-
-    from .lab import build_setup
-
     torch.set_num_threads(1)
     setup = build_setup(argparse.Namespace(**lab_args))
     root = Path(store_root) / f"server{party.rank}"
@@ -90,7 +90,7 @@ def _server(party, lab_args: dict, targets: list[int], params: StarfishParams, s
         for i, rnd in enumerate(my_rounds, 1):
             store.append_round(i, rnd["model"], rnd["participants"], rnd["weights"],
                                {j: ClientShares(*v) for j, v in rnd["shares"].items()})
-        history = store.history(wrap=party.wrap_share)
+        history = ShareHistory(store, wrap=party.wrap_share)
     clients = SimulatedShareClients(party, setup.participants, client_key)
     res = run_stage2(party, history, targets, params, clients)
     store.close()

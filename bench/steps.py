@@ -7,8 +7,9 @@ Steps, each a top-level metered step of one two-party session (two processes, TL
   history and **extrapolated** to the full m (n-1) T entries;
 * ``TD2``  Starfish's: SecMax over the T thresholds delta_i^j of each remaining client (batched);
 * ``RS1``/``RS2``  round selection with Method 1 (division-free ratio comparator) and Method 2
-  (SecDiv, then comparisons): ``servers.unlearning.starfish_select`` with method ratio/divide;
-* ``UE``   one round's update estimate for all n-1 remaining clients (compact L-BFGS, B pairs);
+  (SecDiv, then comparisons): ``protocols.starfish.round_selection.starfish_select`` with method ratio/divide;
+* ``UE``   one round's update estimate for all n-1 remaining clients (compact L-BFGS, B pairs),
+  reached through Stage II's replay loop (``protocols.starfish.replay``) after its warm-up;
 * ``TC``   one threshold check for all n-1 remaining clients (n-1 x m coordinates);
 * ``aggregate`` (not in Table I) sum_j w_j g^j and its opening, the rest of a replayed round.
 
@@ -25,11 +26,17 @@ measured one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import sys
 import time
 from pathlib import Path
+
+from protocols.backend import cat
+from protocols.starfish import StarfishParams, check_thresholds, determine_thresholds, starfish_select
+from protocols.starfish.backend import stack
+from protocols.starfish.replay import Replay
 
 from . import costs, offline, profiles
 from .report import machine_info, markdown_table, write_json
@@ -81,12 +88,6 @@ def party_setup(party, spec: dict, data_path: str, schedule):
 
 def _program(party, spec: dict, data_path: str, steps: list[str], td1_samples: list[int],
              schedule) -> dict:
-    from protocols.backend import cat
-    from protocols.starfish import check_thresholds, determine_thresholds, estimate_updates, num_selected
-    from protocols.starfish.backend import reveal, stack, weighted_sum
-    from servers.lbfgs_pairs import PairBuffers
-    from servers.unlearning import StarfishParams, starfish_select
-
     cfg, hist, clients, p = party_setup(party, spec, data_path, schedule)
     rest, T, out = cfg.remaining, cfg.rounds, {}
 
@@ -100,40 +101,58 @@ def _program(party, spec: dict, data_path: str, steps: list[str], td1_samples: l
         with p.meter(f"TD1:{int(vals.shape[0])}"):
             costs.fedrecover_threshold(vals, cfg.alpha, p.meter)
         del vals
-    k = num_selected(T, cfg.sigma)
+    k = StarfishParams(sigma=cfg.sigma).num_selected(T)
     for name, method in (("RS1", "ratio"), ("RS2", "divide")):
         if name in steps:
             with p.meter(name):
                 out[name] = starfish_select(hist, list(cfg.targets), k, StarfishParams(method=method))
     if {"UE", "TC", "aggregate"} & set(steps):
-        # B buffered pairs from B warm-up rounds, as run_stage2 builds them (outside the meters)
-        B = cfg.buffer
-        buffers = PairBuffers(rest, B)
-        for r in range(1, B + 1):
-            m_hat = hist.model(r)
-            s = m_hat.double() - hist.model(r - 1).double()
-            fresh = clients.exact_updates(r, m_hat, rest)
-            for j in rest:
-                buffers.push(j, s, fresh[j] - hist.update(r, j))
-        t = B + 1
-        s = hist.model(t).double() - hist.model(t - 1).double()
-        stored = stack([hist.update(t, j) for j in rest])
-        S, Y = buffers.stacked(rest)
-        del buffers, fresh
-        with p.meter("UE"):
-            est = estimate_updates(stored, s, S, Y)
-        del S, Y, stored
-        if "TC" in steps:
-            with p.meter("TC"):
-                out["flags"] = [int(f) for f in check_thresholds(est, thr)]
-        if "aggregate" in steps:
-            w_all = hist.weights(t)
-            wsum = sum(w_all[j] for j in rest)
-            rows = [est[r] for r in range(len(rest))]
-            with p.meter("aggregate"):
-                agg = reveal(weighted_sum(rows, [w_all[j] / wsum for j in rest]))
-            out["aggregate_norm"] = float(agg.norm())
+        metered = {"UE"} | ({"TC", "aggregate"} & set(steps))
+        out.update(_one_estimated_round(p, hist, clients, cfg, thr, metered))
     out["report"] = offline.party_report(p)
+    return out
+
+
+class _OneCheckedRound:
+    """Warm-up until the buffers are full (as run_stage2), then one estimated round, checked."""
+
+    def __init__(self, thresholds, check: bool) -> None:
+        self.thresholds = thresholds
+        self.check = check
+        self.flags: list[int] | None = None
+
+    def exact_now(self, step: int, round_index: int, replay: Replay) -> bool:
+        return not replay.buffers.all_full()
+
+    def rejected(self, step: int, round_index: int, estimates, replay: Replay) -> list[int]:
+        if self.check:
+            with replay.meter("TC"):
+                self.flags = [int(f) for f in check_thresholds(estimates, self.thresholds)]
+        return []  # the table measures one estimated round; corrections are the clients' work
+
+
+def _one_estimated_round(p, hist, clients, cfg: SyntheticConfig, thresholds, metered: set[str]) -> dict:
+    """UE, TC and aggregate of one replayed round, through Stage II's own replay loop.
+
+    The warm-up rounds before it (exact updates filling B pairs per client) run outside
+    every meter; the first estimated round is metered step by step.
+    """
+    schedule = _OneCheckedRound(thresholds, "TC" in metered)
+    replay = None
+
+    def meter(name: str):
+        estimating = replay is not None and replay.buffers.all_full()
+        return p.meter(name) if estimating and name in metered else contextlib.nullcontext()
+
+    replay = Replay(hist, cfg.remaining, clients, buffer=cfg.buffer, server_lr=hist.server_lr, meter=meter)
+    for t in range(1, cfg.rounds + 1):
+        was_full = replay.buffers.all_full()
+        replay.replay_round(t, schedule)
+        if was_full:
+            break
+    out = {"aggregate_norm": float(replay.last_aggregate.norm())}
+    if schedule.flags is not None:
+        out["flags"] = schedule.flags
     return out
 
 

@@ -45,7 +45,7 @@ import torch
 
 from mpc.encoding import encode
 from mpc.prg import Prg
-from servers.history import History, Secret
+from protocols.starfish.ports import History, Secret
 
 __all__ = ["SyntheticConfig", "CONFIGS", "config", "prepare", "load_data", "SyntheticHistory",
            "SyntheticClients", "update_values"]

@@ -1,6 +1,6 @@
 """One full Stage II under 2PC on the paper's MNIST shapes (the paper's Table II).
 
-``servers.unlearning.run_stage2`` runs on each server's shares of a synthetic history of the real
+``protocols.starfish.run_stage2`` runs on each server's shares of a synthetic history of the real
 shapes (``bench/synthetic.py``: 582,026 parameters, 20 clients, 40 rounds, sigma 0.6, alpha 0.4,
 beta 0.1, B 2; target client 0), with the dealer, over TLS, in two processes. Offline = the
 dealer material of each step fetched right before it (``bench/offline.py``); online = the
@@ -47,7 +47,7 @@ def _program(party, spec: dict, data_path: str, method: str, t_delta: int, cprof
              schedule) -> dict:
     import cProfile
 
-    from servers.unlearning import StarfishParams, run_stage2
+    from protocols.starfish import StarfishParams, run_stage2
 
     from .steps import party_setup
 
@@ -72,7 +72,7 @@ def _program(party, spec: dict, data_path: str, method: str, t_delta: int, cprof
 def _method(profile: profiles.NetworkProfile, requested: str, T: int) -> tuple[str, int, str]:
     """(method for StarfishParams, t_delta, the method that will run) for this profile."""
     from protocols.starfish.round_selection import choose_method
-    from protocols.starfish.switching import default_t_delta
+    from protocols.starfish.round_selection import default_t_delta
 
     name = profile.name if profile.name in ("lan", "wan") else "lan"
     t_delta = default_t_delta(name)

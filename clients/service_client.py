@@ -22,13 +22,13 @@ from typing import Any
 from mpc import tls
 from mpc.channel import KIND_OBJECT, Channel, ChannelError
 
-from servers import wire
+from mpc import wire
 
 __all__ = ["ServiceClient", "ServiceError"]
 
 
 class ServiceError(RuntimeError):
-    """The server refused a request; ``code`` is one of ``servers.wire.ERROR_CODES``."""
+    """The server refused a request; ``code`` is one of ``mpc.wire.ERROR_CODES``."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")

@@ -10,8 +10,9 @@ each server with its |D_j| in the clear. It answers correction tasks of unlearni
 can request unlearning of its own data.
 
 Plaintext twin: the simulator knows every plaintext update it uploaded, so after
-training it can write the same history in the clear (``servers.history.NpzHistory``, with
-the servers' published models and participants) and checks that every published model
+training it can hand the same history, in the clear, to a :class:`TwinRecorder` (the CLI
+gives ``servers.lab.history.NpzTwinRecorder``; clients never import server code), with
+the servers' published models and participants, and checks that every published model
 is plaintext FedAvg of those updates (``fedavg_max_abs_error`` in the summary). Demos and
 tests run the plaintext baselines and the plaintext Starfish on that twin.
 """
@@ -26,17 +27,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from mpc.sharing import share
-from servers import wire
-from servers.service_config import ServiceConfig
+from mpc import wire
+from mpc.service_config import ServiceConfig
 
 from .service_client import ServiceClient, ServiceError
 
-__all__ = ["FederationSpec", "Federation", "build_federation", "Simulator", "SimulatedClient"]
+__all__ = ["FederationSpec", "Federation", "build_federation", "Simulator", "SimulatedClient",
+           "TwinRecorder"]
 
 log = logging.getLogger("starfish.clients")
 
@@ -98,6 +100,18 @@ def build_federation(spec: FederationSpec) -> Federation:
     return Federation(spec, data, factory, clients, trigger)
 
 
+class TwinRecorder(Protocol):
+    """Where the plaintext twin goes: M_0 first, then every round in order (plain arrays)."""
+
+    location: str
+
+    def start(self, initial_model: np.ndarray, server_lr: float) -> None: ...
+
+    def round(self, model: np.ndarray, participants: tuple[int, ...], weights: dict[int, float],
+              updates: dict[int, np.ndarray], norms: dict[int, float],
+              deltas: dict[int, float]) -> None: ...
+
+
 @dataclass
 class SimulatedClient:
     local: Any                                   # clients.training.LocalClient
@@ -115,7 +129,7 @@ class Simulator:
     """Runs simulated clients against a deployment until its exit condition."""
 
     def __init__(self, cfg: ServiceConfig, federation: Federation, ids: Sequence[int], *,
-                 twin_dir: str | Path | None = None, unlearn: Sequence[int] = (),
+                 twin: TwinRecorder | None = None, unlearn: Sequence[int] = (),
                  until: str = "training", max_seconds: float = 3600.0,
                  say: Callable[[str], None] | None = None) -> None:
         if until not in ("training", "jobs", "never"):
@@ -124,7 +138,7 @@ class Simulator:
             raise ValueError("--until jobs needs --unlearn")
         self.cfg = cfg
         self.fed = federation
-        self.twin_dir = Path(twin_dir) if twin_dir else None
+        self.twin = twin
         self.unlearn = list(unlearn)
         self.until = until
         self.max_seconds = max_seconds
@@ -235,16 +249,12 @@ class Simulator:
     # ------------------------------------------------------------------ twin
     def write_twin(self, T: int, server_lr: float) -> dict[str, Any]:
         """The plaintext twin history and the FedAvg check (needs every participant here)."""
-        import torch  # noqa: PLC0415
-
-        from servers.history import NpzHistory, RoundRecord  # noqa: PLC0415
-
         ref = self.clients[0]
         by_id = {c.id: c for c in self.clients}
         prev = self._model(self._call(ref, 0, "get_model", round=0))
-        twin = None
-        if self.twin_dir is not None:
-            twin = NpzHistory(self.twin_dir, initial_model=torch.from_numpy(prev), server_lr=server_lr)
+        twin = self.twin
+        if twin is not None:
+            twin.start(prev, server_lr)
         worst = 0.0
         participants = {}
         for i in range(1, T + 1):
@@ -260,14 +270,11 @@ class Simulator:
             fedavg = prev - server_lr * sum(weights[j] * recs[j][0] for j in parts)
             worst = max(worst, float(np.abs(model - fedavg).max()))
             if twin is not None:
-                twin.append_round(RoundRecord(
-                    model=torch.from_numpy(model), participants=tuple(parts), weights=weights,
-                    updates={j: torch.from_numpy(recs[j][0]) for j in parts},
-                    norms={j: torch.tensor(recs[j][1], dtype=torch.float64) for j in parts},
-                    deltas={j: torch.tensor(recs[j][2], dtype=torch.float64) for j in parts}))
+                twin.round(model, tuple(parts), weights, {j: recs[j][0] for j in parts},
+                           {j: recs[j][1] for j in parts}, {j: recs[j][2] for j in parts})
             prev = model
         return {"fedavg_max_abs_error": worst, "participants": participants,
-                "twin_dir": str(self.twin_dir) if self.twin_dir else None}
+                "twin_dir": twin.location if twin is not None else None}
 
     # ------------------------------------------------------------------ unlearning
     def request_unlearning(self, client: int) -> str:

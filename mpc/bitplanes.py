@@ -10,7 +10,7 @@ Both directions are the same 64 x 64 bit-matrix transpose per block of 64 elemen
 by the recursive block swap (six masked shift/XOR passes, Hacker's Delight 7-3) on all
 blocks at once. XOR-linear, so applying it to each party's share of a binary sharing
 transposes the shared value without communication. Used by the dealer (``correlations``)
-and by ``protocols.sign_test``.
+and by ``mpc.nonnegative``.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class DealerProvider(TupleProviderBase):
 
     def edabits(self, size, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This party's shares of a random r < 2**bits: (ring share of r, XOR share of its
-        bit planes, shape (bits, words)). Raw tensors, for ``protocols.sign_test``."""
+        bit planes, shape (bits, words)). Raw tensors, for ``mpc.nonnegative``."""
         r, planes = self._shares(correlations.make_request("edabit", size, bits))
         return r, planes
 

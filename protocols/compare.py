@@ -3,7 +3,7 @@
 All functions accept plaintext torch tensors (the plaintext twin) or CrypTen MPCTensors, and
 broadcast over leading dimensions. Costs are for the 2PC path with CrypTen's protocols:
 
-* ``ge``: one sign test of ``x - y`` per element (:mod:`protocols.sign_test`): open the
+* ``ge``: one sign test of ``x - y`` per element (:mod:`mpc.nonnegative`): open the
   difference masked by a dealer edabit, compare the public mask-sum with the shared mask bit
   by bit (6 AND rounds on bit planes), one-bit binary-to-arithmetic conversion: 8 rounds and
   75.25 bytes per element, all elements of a call sharing the rounds. Reveals nothing; the
@@ -32,7 +32,7 @@ import torch
 
 from . import backend as B
 from .backend import Tensor
-from .sign_test import nonnegative
+from mpc.nonnegative import nonnegative
 
 __all__ = [
     "ge",
@@ -47,7 +47,7 @@ __all__ = [
 def ge(x: Tensor, y: Tensor) -> Tensor:
     """SecGE: 1 where ``x >= y`` else 0 (shared bit if any input is shared).
 
-    2PC: the sign test of ``x - y`` (:mod:`protocols.sign_test`: 75.25 bytes and 8 rounds
+    2PC: the sign test of ``x - y`` (:mod:`mpc.nonnegative`: 75.25 bytes and 8 rounds
     per element, against 432 bytes for CrypTen's ``>=``). The shared bit is encoded at
     scale 1 like CrypTen's own comparison results, so it
     multiplies shared fixed-point values exactly; use :func:`select` (or

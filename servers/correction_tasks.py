@@ -35,7 +35,7 @@ import numpy as np
 from mpc.channel import KIND_OBJECT
 from mpc.prg import expand
 
-from . import wire
+from mpc import wire
 from .ring_aggregation import model_digest
 
 __all__ = ["Task", "TaskBoard", "ServiceCorrectionClients", "CorrectionTimeout", "LockstepError"]

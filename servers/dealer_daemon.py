@@ -14,7 +14,7 @@ import threading
 from mpc import tls
 from mpc.dealer import DealerServer
 
-from .service_config import ServiceConfig
+from mpc.service_config import ServiceConfig
 
 __all__ = ["run_dealer"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .service_config import ConfigError, ModelSection
+from mpc.service_config import ConfigError, ModelSection
 
 __all__ = ["INPUT_SHAPES", "initial_model", "architecture_of"]
 

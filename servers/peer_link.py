@@ -9,9 +9,11 @@ other. Server 1 listens (``peer_port``) and requires the certificate ``server0``
 0 requires ``server1``. Both sides survive the other's restart: server 0 reconnects on
 its next request, server 1 accepts the new connection and drops the old one.
 
-Messages are msgpack maps (``servers.wire.pack``); replies ``{"ok": true, ...}`` or
-``{"ok": false, "error": str}``. The peer is a server of the same deployment, but its
-messages are still size-bounded and type-checked by the handlers.
+Messages are msgpack maps (``mpc.wire.pack``) ``{"op": str, ...fields}``; replies
+``{"ok": true, ...}`` or ``{"ok": false, "error": str}``. This module moves them; what they
+say is ``servers.peer_messages`` (typed requests and replies that check their fields). The
+peer is a server of the same deployment, but its messages are still size-bounded and
+type-checked.
 """
 
 from __future__ import annotations
@@ -20,14 +22,12 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
-from mpc import tls
+from mpc import tls, wire
 from mpc.channel import KIND_OBJECT, Channel, ChannelError, PeerTimeout, accept_loop
 
-from . import wire
-
-__all__ = ["PeerUnavailable", "PeerRefused", "PeerClient", "PeerServer"]
+__all__ = ["PeerUnavailable", "PeerRefused", "PeerRequest", "PeerClient", "PeerServer"]
 
 log = logging.getLogger("starfish.peer")
 
@@ -40,8 +40,16 @@ class PeerRefused(RuntimeError):
     """The other server answered the request with an error."""
 
 
+class PeerRequest(Protocol):
+    """A control request (``servers.peer_messages``): its op and its fields."""
+
+    OP: ClassVar[str]
+
+    def to_wire(self) -> dict[str, Any]: ...
+
+
 class PeerClient:
-    """Server 0's end: ``call(op, **fields)`` sends one request and returns the reply map."""
+    """Server 0's end: ``call(request)`` sends one request and returns the reply map."""
 
     def __init__(self, keys_dir: Any, address: tuple[str, int], *, timeout: float,
                  max_bytes: int, connect_timeout: float = 2.0) -> None:
@@ -63,11 +71,12 @@ class PeerClient:
             log.info("control link to server 1 at %s:%d established", *self._address)
         return self._ch
 
-    def call(self, op: str, **fields: Any) -> dict:
+    def call(self, request: PeerRequest) -> dict:
+        op = request.OP
         with self._lock:
             ch = self._channel()
             try:
-                ch.send_frame(KIND_OBJECT, wire.pack({"op": op, **fields}))
+                ch.send_frame(KIND_OBJECT, wire.pack({"op": op, **request.to_wire()}))
                 reply = wire.unpack(ch.recv_frame(KIND_OBJECT), self._max)
             except (ChannelError, wire.WireError) as exc:
                 self._drop()
@@ -111,7 +120,7 @@ class PeerServer:
     def _serve(self, sock: socket.socket) -> None:
         try:
             ch = Channel.wrap_accepted(sock, self._ctx, tls.PARTY_NAMES[0], kind="online",
-                                timeout=self._timeout)
+                                       timeout=self._timeout)
         except ChannelError as exc:
             log.warning("refused a control-link connection: %s", exc)
             return

@@ -19,31 +19,32 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mpc.channel import KIND_OBJECT
+from protocols.starfish.params import StarfishParams
+from protocols.starfish.stage2 import run_stage2
 
-from . import wire
+from mpc import wire
 from .correction_tasks import LockstepError, ServiceCorrectionClients, TaskBoard
 from .ring_aggregation import model_digest
-from .service_config import ServiceConfig
+from .share_history import ShareHistory
+from mpc.service_config import ServiceConfig
 
-__all__ = ["run_job", "starfish_params", "write_result", "read_result", "PinnedHistory"]
+__all__ = ["run_job", "starfish_params", "write_result", "read_result"]
 
 log = logging.getLogger("starfish.jobs")
 
 
-def starfish_params(cfg: ServiceConfig) -> Any:
-    from protocols.starfish.round_selection import DEFAULT_T_DELTA  # noqa: PLC0415
-    from .unlearning import StarfishParams  # noqa: PLC0415
-
+def starfish_params(cfg: ServiceConfig) -> StarfishParams:
+    """The deployment's [unlearning] section as Stage II parameters (t_delta 0: measured default)."""
     u = cfg.unlearning
-    return StarfishParams(sigma=u.sigma, beta=u.beta, buffer=u.buffer, method=u.rs_method,
-                          t_delta=u.t_delta or DEFAULT_T_DELTA, server_lr=None)
+    return StarfishParams(sigma=u.sigma, alpha=u.alpha, beta=u.beta, buffer=u.buffer,
+                          method=u.rs_method, t_delta=u.t_delta or None, server_lr=None)
 
 
 def job_params(cfg: ServiceConfig) -> dict[str, Any]:
@@ -51,66 +52,6 @@ def job_params(cfg: ServiceConfig) -> dict[str, Any]:
     u = cfg.unlearning
     return {"sigma": u.sigma, "beta": u.beta, "buffer": u.buffer, "rs_method": u.rs_method,
             "t_delta": u.t_delta}
-
-
-def _pinned_history_class() -> type:
-    from .history import History  # noqa: PLC0415 - imports torch
-
-    class _Pinned(History):
-        """A History view that exposes rounds 1..T only."""
-
-        def __init__(self, inner: History, rounds: int) -> None:
-            if rounds > inner.num_rounds:
-                raise ValueError(f"history has {inner.num_rounds} rounds, job needs {rounds}")
-            self.inner = inner
-            self._T = rounds
-            self.holds_shares = getattr(inner, "holds_shares", False)
-
-        @property
-        def num_rounds(self) -> int:
-            return self._T
-
-        @property
-        def server_lr(self) -> float:
-            return self.inner.server_lr
-
-        def _check(self, i: int) -> None:
-            if not 1 <= i <= self._T:
-                raise IndexError(f"round {i} not in 1..{self._T}")
-
-        def model(self, i: int) -> Any:
-            if not 0 <= i <= self._T:
-                raise IndexError(f"model {i} not in 0..{self._T}")
-            return self.inner.model(i)
-
-        def participants(self, i: int) -> tuple[int, ...]:
-            self._check(i)
-            return self.inner.participants(i)
-
-        def weights(self, i: int) -> Mapping[int, float]:
-            self._check(i)
-            return self.inner.weights(i)
-
-        def update(self, i: int, client: int) -> Any:
-            self._check(i)
-            return self.inner.update(i, client)
-
-        def norm(self, i: int, client: int) -> Any:
-            self._check(i)
-            return self.inner.norm(i, client)
-
-        def delta(self, i: int, client: int) -> Any:
-            self._check(i)
-            return self.inner.delta(i, client)
-
-        def append_round(self, record: Any) -> None:
-            raise RuntimeError("a pinned history is read-only")
-
-    return _Pinned
-
-
-def PinnedHistory(inner: Any, rounds: int) -> Any:  # noqa: N802 - a class built lazily
-    return _pinned_history_class()(inner, rounds)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -157,7 +98,6 @@ def run_job(*, rank: int, cfg: ServiceConfig, store: Any, board: TaskBoard, job_
 
     from mpc.session import open_party  # noqa: PLC0415 - loads CrypTen
 
-    from .unlearning import run_stage2  # noqa: PLC0415
 
     timeout = max(cfg.unlearning.session_timeout, cfg.unlearning.correction_timeout + 60.0)
     t0 = time.perf_counter()
@@ -175,7 +115,7 @@ def run_job(*, rank: int, cfg: ServiceConfig, store: Any, board: TaskBoard, job_
         other = wire.unpack(party.channel.recv_frame(KIND_OBJECT), 1 << 16)
         if other != {"job": job_id, "rounds": rounds, "targets": targets}:
             raise LockstepError(f"the other server started {other}, we started job {job_id}")
-        history = PinnedHistory(store.history(wrap=party.wrap_share), rounds)
+        history = ShareHistory(store, wrap=party.wrap_share, rounds=rounds)
         clients = ServiceCorrectionClients(board, party, job_id, timeout=cfg.unlearning.correction_timeout,
                                            dim=store.dim, precision=store.precision, stop=stop)
 

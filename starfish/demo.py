@@ -129,7 +129,7 @@ def _fetch_results(cfg: Any, job: str) -> list[dict]:
     import numpy as np  # noqa: PLC0415
 
     from clients.service_client import ServiceClient  # noqa: PLC0415
-    from servers import wire  # noqa: PLC0415
+    from mpc import wire  # noqa: PLC0415
 
     out = []
     for p in (0, 1):
@@ -168,10 +168,10 @@ def _baselines(cfg: Any, twin_dir: Path, n: int, target: int, model_2pc: Any) ->
 
     from clients.metrics import Evaluator  # noqa: PLC0415
     from clients.simulator import build_federation  # noqa: PLC0415
-    from servers.history import NpzHistory  # noqa: PLC0415
-    from servers.metrics import l2_distance  # noqa: PLC0415
-    from servers.recovery import FedRecover, Retrain  # noqa: PLC0415
-    from servers.unlearning import run_stage2  # noqa: PLC0415
+    from servers.lab.history import NpzHistory  # noqa: PLC0415
+    from servers.lab.metrics import l2_distance  # noqa: PLC0415
+    from servers.lab.recovery import FedRecover, Retrain  # noqa: PLC0415
+    from protocols.starfish import run_stage2  # noqa: PLC0415
     from servers.unlearning_jobs import starfish_params  # noqa: PLC0415
     from starfish.service_commands import federation_spec  # noqa: PLC0415
 
@@ -215,7 +215,7 @@ def _sim_args(n: int, target: int) -> argparse.Namespace:
 
 
 def run_service_demo(args: argparse.Namespace) -> int:
-    from servers.service_config import load_config, write_scratch_deployment  # noqa: PLC0415
+    from mpc.service_config import load_config, write_scratch_deployment  # noqa: PLC0415
 
     t_start = time.monotonic()
     deadline = t_start + args.timeout

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from servers.service_config import ConfigError, load_config
+from mpc.service_config import ConfigError, load_config
 
 __all__ = ["add_commands"]
 
@@ -75,7 +75,7 @@ def cmd_dealer(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ simulated clients
 def federation_spec(cfg: Any, args: argparse.Namespace) -> Any:
     """The simulator's FederationSpec: command line, then [clients]/[model], then lab defaults."""
-    from bench.lab import DATASET_DEFAULTS  # noqa: PLC0415
+    from bench.lab_setup import DATASET_DEFAULTS  # noqa: PLC0415
     from clients.simulator import FederationSpec  # noqa: PLC0415
     from servers.initial_model import architecture_of  # noqa: PLC0415
 
@@ -100,6 +100,7 @@ def cmd_clients(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
     from clients.simulator import Simulator, build_federation, write_summary  # noqa: PLC0415
+    from servers.lab.history import NpzTwinRecorder  # noqa: PLC0415
 
     torch.set_num_threads(1)
     try:
@@ -110,7 +111,8 @@ def cmd_clients(args: argparse.Namespace) -> int:
     fed = build_federation(spec)
     ids = list(range(args.first_id, args.first_id + args.n))
     unlearn = [int(x) for x in str(args.unlearn or "").split(",") if x.strip()]
-    sim = Simulator(cfg, fed, ids, twin_dir=args.twin_dir, unlearn=unlearn,
+    twin = NpzTwinRecorder(args.twin_dir) if args.twin_dir else None
+    sim = Simulator(cfg, fed, ids, twin=twin, unlearn=unlearn,
                     until=args.until or ("jobs" if unlearn else "training"),
                     max_seconds=args.max_seconds)
     stop_requested = threading.Event()
@@ -202,7 +204,7 @@ def _save_model(job: dict, path: str | None, party: int) -> None:
         return
     import numpy as np  # noqa: PLC0415
 
-    from servers import wire  # noqa: PLC0415
+    from mpc import wire  # noqa: PLC0415
 
     np.save(path, wire.decode_tensor(model, "model", ("<f8",), tuple(model["shape"])))
     print(f"wrote the unlearned model of job {job['job']} to {path}", file=sys.stderr)
@@ -250,7 +252,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_init_deployment(args: argparse.Namespace) -> int:
-    from servers.service_config import write_scratch_deployment  # noqa: PLC0415
+    from mpc.service_config import write_scratch_deployment  # noqa: PLC0415
 
     overrides: dict[str, dict[str, Any]] = {"fl": {"rounds": args.rounds}}
     if args.deadline:

@@ -94,7 +94,7 @@ def seeded_noise(party, n):
 
 def sign_test_ring(party, share0, share1):
     """[x >= 0] for raw ring elements x = share0 + share1 (mod 2^64), both providers."""
-    from protocols.sign_test import nonnegative
+    from mpc.nonnegative import nonnegative
 
     mine = torch.from_numpy(share0 if party.rank == 0 else share1)
     x = crypten.mpc.MPCTensor.from_shares(mine, precision=0)

@@ -9,7 +9,7 @@ from typing import Any
 
 from clients.service_client import ServiceClient
 from mpc.channel import ChannelError
-from servers.service_config import ServiceConfig, load_config, write_scratch_deployment
+from mpc.service_config import ServiceConfig, load_config, write_scratch_deployment
 from starfish.demo import ProcessGroup
 
 

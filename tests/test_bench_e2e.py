@@ -10,7 +10,7 @@ from bench import scaling, steps, synthetic, unlearning
 
 
 def test_unlearning_benchmark_tiny_with_an_emulated_link(tmp_path, capsys):
-    from servers.unlearning import StarfishParams, run_stage2
+    from protocols.starfish import StarfishParams, run_stage2
 
     out = tmp_path / "u.json"
     rc = unlearning.main(["--config", "tiny", "--profile", "custom", "--latency-ms", "1", "--bandwidth-mbps", "200",

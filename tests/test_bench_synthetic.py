@@ -69,7 +69,7 @@ def test_exact_updates_are_shared_consistently_and_follow_the_curvature(tiny):
 
 
 def test_plaintext_stage2_runs_on_the_synthetic_history(tiny):
-    from servers.unlearning import StarfishParams, run_stage2
+    from protocols.starfish import StarfishParams, run_stage2
 
     cfg, data = tiny
     h = synthetic.SyntheticHistory(cfg, data, None)

@@ -6,7 +6,8 @@ import json
 
 import torch
 
-from bench.lab import DATASET_DEFAULTS, main
+from bench.lab import main
+from bench.lab_setup import DATASET_DEFAULTS
 
 torch.set_num_threads(1)
 

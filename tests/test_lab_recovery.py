@@ -12,10 +12,11 @@ from clients.datasets import load_digits_dataset
 from clients.models import build_model, flatten_params
 from clients.partition import iid_split
 from clients.training import LocalClient
-from servers.fl import run_federated
-from servers.history import InMemoryHistory, NpzHistory, RoundRecord
-from servers.metrics import arp
-from servers.recovery import FedEraser, FedRecover, RandomSelection, Retrain, Starfish
+from servers.lab.fl import run_federated
+from protocols.starfish.ports import RoundRecord
+from servers.lab.history import InMemoryHistory, NpzHistory
+from servers.lab.metrics import arp
+from servers.lab.recovery import FedEraser, FedRecover, RandomSelection, Retrain, Starfish
 
 torch.set_num_threads(1)
 

@@ -123,19 +123,18 @@ def _lab_args(**over) -> argparse.Namespace:
 
 
 def test_secure_stage2_equals_the_plaintext_twin_end_to_end():
-    from bench import lab, secure_lab
-    from servers.fl import run_federated
-    from servers.recovery.base import ClientPool
-    from servers.recovery.starfish import _PoolClients
-    from servers.history import remaining_clients
-    from servers.unlearning import StarfishParams, run_stage2
+    from bench import lab_setup, secure_lab
+    from servers.lab.fl import run_federated
+    from servers.lab.recovery.base import ClientPool, PoolClients
+    from protocols.starfish.ports import remaining_clients
+    from protocols.starfish import StarfishParams, run_stage2
 
     args = _lab_args()
-    setup = lab.build_setup(args)
+    setup = lab_setup.build_setup(args)
     hist = run_federated(setup.participants, setup.m0, args.rounds, setup.cfg.get("lr"))
     params = StarfishParams(sigma=0.6, beta=0.2, buffer=2)
     pool = ClientPool(setup.participants, remaining_clients(hist, setup.targets))
-    plain = run_stage2(None, hist, setup.targets, params, _PoolClients(pool))
+    plain = run_stage2(None, hist, setup.targets, params, PoolClients(pool))
     out = secure_lab.run_secure_starfish(args, hist, setup.targets, params)
     v0, v1 = out["values"]
     assert np.array_equal(v0["model"], v1["model"])
@@ -153,7 +152,7 @@ def test_secure_stage2_equals_the_plaintext_twin_end_to_end():
 
 
 def test_switching_threshold_follows_the_measured_costs():
-    from protocols.starfish.switching import t_delta_from
+    from protocols.starfish.round_selection import t_delta_from
 
     rows = [  # Method 2 cheaper in rounds only from T = 64; bytes always favour Method 1
         {"T": 32, "method": "ratio", "rounds": 150, "online_bytes": 1e5, "seconds": 0.1},

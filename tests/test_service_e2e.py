@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from clients.simulator import build_federation
-from servers import wire
-from servers.history import NpzHistory
+from mpc import wire
+from servers.lab.history import NpzHistory
 from servers.share_store import ShareStore
-from servers.unlearning import run_stage2
+from protocols.starfish import run_stage2
 from servers.unlearning_jobs import starfish_params
 from service_harness import Deployment
 from starfish.service_commands import federation_spec

@@ -19,7 +19,7 @@ from clients.service_client import ServiceError
 from mpc import tls
 from mpc.channel import KIND_TENSOR, Channel, HandshakeError
 from mpc.sharing import share
-from servers import wire
+from mpc import wire
 from service_harness import Deployment
 
 LIMIT = 64 * 1024

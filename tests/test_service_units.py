@@ -7,10 +7,10 @@ import pytest
 
 from mpc.encoding import decode, encode
 from mpc.sharing import share
-from servers import wire
+from mpc import wire
 from servers.ring_aggregation import (fedavg_weights, max_total_samples, model_digest, next_model,
                                       open_aggregate, weighted_share_sum)
-from servers.service_config import ConfigError, load_config, render_config, ServiceConfig
+from mpc.service_config import ConfigError, load_config, render_config, ServiceConfig
 
 
 def test_config_defaults_round_trip_and_validation(tmp_path):

@@ -325,7 +325,7 @@ def _new_store(root: Path, party: int, m0: np.ndarray | None = None) -> ShareSto
 def test_round_trip_of_several_rounds_survives_reopen(tmp_path):
     import torch
 
-    from servers.history import History
+    from protocols.starfish.ports import History
 
     rng = np.random.default_rng(1)
     for party in (0, 1):
@@ -408,7 +408,7 @@ def test_round_trip_of_several_rounds_survives_reopen(tmp_path):
 def test_history_append_round_detects_replay_only_with_a_round_index(tmp_path):
     import torch
 
-    from servers.history import RoundRecord
+    from protocols.starfish.ports import RoundRecord
 
     rng = np.random.default_rng(2)
     with _new_store(tmp_path / "s", 1) as store:

@@ -26,36 +26,94 @@ of the paper's Appendix C, with the sign kept by |u|).
 
 from __future__ import annotations
 
-import math
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from .backend import is_secret, weighted_sum
-from .switching import default_t_delta
+from protocols.division import divide
+from protocols.inner_product import inner
+from protocols.sort import ratio_comparator, top_k
 
-__all__ = ["num_selected", "selection_keys", "select_rounds", "combine_targets",
-           "choose_method", "DEFAULT_T_DELTA"]
+from .backend import is_secret, stack, to_compute, weighted_sum
+from .params import Method, StarfishParams
+from .ports import History
 
-Method = Literal["ratio", "divide", "auto"]
+__all__ = ["num_selected", "selection_keys", "select_rounds", "combine_targets", "starfish_select",
+           "choose_method", "default_t_delta", "t_delta_from", "predicted_seconds",
+           "T_DELTA_TABLE", "LINK_PROFILES", "DEFAULT_T_DELTA"]
 
-#: Switching threshold for ``method="auto"``: Method 1 (ratio) while T < DEFAULT_T_DELTA.
-#: Derived from this project's measured costs on the LAN profile
-#: (``starfish bench rs-switch --write-default``; see ``switching.py``), overridable everywhere.
+# ---------------------------------------------------------------- the method switch (T_delta)
+# Method 1 costs one more round per sorting layer and two multiplications per comparison;
+# Method 2 one secure division per round. Which is cheaper depends on T and on the link.
+# ``starfish bench rs-switch`` measures both under 2PC; with ``--write-default`` it stores
+# rounds, bytes and compute seconds per T in T_DELTA_TABLE (package data). Each method's
+# time on a link is predicted as
+#     rounds x one-way latency + bytes per direction x 8 / bandwidth + compute seconds
+# and T_delta is the smallest measured T from which Method 2 is predicted faster by more
+# than SWITCH_MARGIN (10%): at about equal cost Method 1 is preferred, as in the paper,
+# because secure division adds fixed-point error and 2% is within our timing noise.
+
+T_DELTA_TABLE = Path(__file__).with_name("data") / "t_delta.json"
+SWITCH_MARGIN = 0.10
+
+#: The paper's link settings: round-trip 0.17 ms / 72 ms (one way is half), 1 Gbit/s / 100 Mbit/s.
+LINK_PROFILES: dict[str, tuple[float, float]] = {
+    "lan": (0.17e-3 / 2, 1e9),
+    "wan": (72e-3 / 2, 100e6),
+}
+
+
+def predicted_seconds(row: dict, latency: float, bandwidth_bps: float) -> float:
+    return row["rounds"] * latency + (row["online_bytes"] / 2) * 8 / bandwidth_bps + row["seconds"]
+
+
+def t_delta_from(rows: list[dict], latency: float, bandwidth_bps: float) -> int | None:
+    """Smallest measured T where Method 2 ("divide") beats Method 1 ("ratio") by the margin, else None."""
+    by_t: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        by_t.setdefault(int(r["T"]), {})[r["method"]] = r
+    for T in sorted(by_t):
+        m = by_t[T]
+        if "ratio" in m and "divide" in m and (
+            predicted_seconds(m["divide"], latency, bandwidth_bps)
+            < (1.0 - SWITCH_MARGIN) * predicted_seconds(m["ratio"], latency, bandwidth_bps)
+        ):
+            return T
+    return None
+
+
+def default_t_delta(profile: str = "lan", path: Path = T_DELTA_TABLE) -> int:
+    """T_delta for ``method="auto"`` on ``profile``.
+
+    If Method 1 won at every measured T, twice the largest measured T (no evidence that
+    Method 2 ever wins). Without a measurement table, 64.
+    """
+    if not path.exists():
+        return 64
+    rows = json.loads(path.read_text())["rows"]
+    found = t_delta_from(rows, *LINK_PROFILES[profile])
+    if found is None:
+        return 2 * max(int(r["T"]) for r in rows)
+    return found
+
+
+#: Switching threshold for ``method="auto"`` (LAN), overridable per run (StarfishParams.t_delta).
 DEFAULT_T_DELTA = default_t_delta("lan")
 
 
+# ---------------------------------------------------------------- keys and selection
 def num_selected(num_rounds: int, sigma: float) -> int:
-    """T' = ceil(sigma * T), at least 1 and at most T."""
-    if not 0.0 < sigma <= 1.0:
-        raise ValueError("sigma must be in (0, 1]")
-    # round() first so that e.g. 0.6 * 40 = 24.000000000000004 does not become 25
-    return max(1, min(num_rounds, math.ceil(round(sigma * num_rounds, 9))))
+    """T' = ceil(sigma * T), at least 1 and at most T (``StarfishParams.num_selected``)."""
+    return StarfishParams(sigma=sigma).num_selected(num_rounds)
 
 
 def choose_method(num_rounds: int, method: Method = "auto",
-                  t_delta: int = DEFAULT_T_DELTA) -> Literal["ratio", "divide"]:
+                  t_delta: int | None = None) -> Literal["ratio", "divide"]:
+    if t_delta is None:
+        t_delta = DEFAULT_T_DELTA
     if method == "auto":
         return "ratio" if num_rounds < t_delta else "divide"
     if method not in ("ratio", "divide"):
@@ -78,8 +136,6 @@ def selection_keys(target_updates: Any, model_deltas: torch.Tensor,
     A round whose global step is exactly zero gets ||dM|| := 1 (u is 0 there anyway),
     so v never vanishes because of public data.
     """
-    from protocols.inner_product import inner  # noqa: PLC0415
-
     dm = model_deltas
     if not is_secret(target_updates):
         dm = dm.to(torch.as_tensor(target_updates).dtype)
@@ -93,14 +149,12 @@ def selection_keys(target_updates: Any, model_deltas: torch.Tensor,
 
 
 def select_rounds(u: Any, v: Any, k: int, method: Method = "auto",
-                  t_delta: int = DEFAULT_T_DELTA, rounds: Sequence[int] | None = None) -> list[int]:
+                  t_delta: int | None = None, rounds: Sequence[int] | None = None) -> list[int]:
     """The k rounds with the largest u/v, revealed and returned in chronological order.
 
     ``rounds`` names the rounds (default 1..T). Method 1 sorts the pairs with the
     division-free comparator; Method 2 divides first.
     """
-    from protocols.sort import ratio_comparator, top_k  # noqa: PLC0415
-
     T = int(u.shape[0])
     if not 1 <= k <= T:
         raise ValueError(f"k must be in 1..{T}")
@@ -109,8 +163,35 @@ def select_rounds(u: Any, v: Any, k: int, method: Method = "auto",
     if choose_method(T, method, t_delta) == "ratio":
         chosen = top_k((u, v), ids, k, descending=True, comparator=ratio_comparator)
     else:
-        from protocols.division import divide  # noqa: PLC0415
-
         chosen = top_k(divide(u, v), ids, k, descending=True)
     chosen = torch.as_tensor(chosen).reshape(-1)
     return sorted(int(round(float(c))) for c in chosen)
+
+
+def starfish_select(history: History, targets: Sequence[int], k: int, params: StarfishParams) -> list[int]:
+    """SecRS on a history: the k rounds most aligned with the targets, chronological.
+
+    One target: keys from its update and its reported norm. Several: their FedAvg-weighted
+    sum of updates and the squared keys (module docstring).
+    """
+    T = history.num_rounds
+    rounds = range(1, T + 1)
+    for i in rounds:
+        if any(t not in history.participants(i) for t in targets):
+            raise NotImplementedError("round selection assumes the targets took part in every round")
+    dm = torch.stack([history.model_delta(i) for i in rounds]).to(torch.float64)
+    if len(targets) == 1:
+        t = targets[0]
+        g = stack([to_compute(history.update(i, t)) for i in rounds])
+        norms = stack([to_compute(history.norm(i, t)) for i in rounds])
+        u, v = selection_keys(g, dm, norms)
+    else:
+        per_round = []
+        for i in rounds:
+            w = history.weights(i)
+            wt = [w[t] for t in targets]
+            total = sum(wt)
+            per_round.append(combine_targets([to_compute(history.update(i, t)) for t in targets],
+                                             [x / total for x in wt]))
+        u, v = selection_keys(stack(per_round), dm, None)
+    return select_rounds(u, v, k, params.method, params.t_delta)

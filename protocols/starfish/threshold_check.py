@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from protocols.threshold import any_exceeds
+
 __all__ = ["check_thresholds"]
 
 
@@ -21,8 +23,6 @@ def check_thresholds(estimates: Any, thresholds: Any) -> torch.Tensor:
     Delegates to ``protocols.threshold.any_exceeds``, which compares x^2 with d^2
     coordinate-wise and reveals only the per-row OR.
     """
-    from protocols.threshold import any_exceeds  # noqa: PLC0415
-
     if len(estimates.shape) != 2 or len(thresholds.shape) != 1:
         raise ValueError("estimates must be (clients, m) and thresholds (clients,)")
     flags = any_exceeds(estimates, thresholds)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from protocols.maximum import max as secure_max
+
 __all__ = ["determine_thresholds"]
 
 
@@ -20,8 +22,6 @@ def determine_thresholds(deltas: Any) -> Any:
     Plaintext and shared inputs both go through ``protocols.maximum.max`` so the 2PC run
     and the lab run the same code.
     """
-    from protocols.maximum import max as secure_max  # noqa: PLC0415
-
     if len(deltas.shape) != 2:
         raise ValueError(f"deltas must be (clients, rounds), got shape {tuple(deltas.shape)}")
     out = secure_max(deltas, dim=-1)

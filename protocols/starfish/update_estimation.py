@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from protocols.inverse import inverse_masked
+
 from .backend import is_secret, lmatmul, transpose
 
 __all__ = ["compact_hvp", "estimate_updates", "default_inverse"]
@@ -41,8 +43,6 @@ Inverse = Callable[[Any], Any]
 
 def default_inverse() -> Inverse:
     """``protocols.inverse.inverse_masked`` (plaintext: an ordinary inverse)."""
-    from protocols.inverse import inverse_masked  # noqa: PLC0415
-
     return inverse_masked
 
 

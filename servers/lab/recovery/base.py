@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from ..fl import Participant, ProgressFn
-from ..history import History, remaining_clients
+from protocols.starfish.ports import History, remaining_clients
 
-__all__ = ["CostRecord", "ClientPool", "RecoveryMethod", "remaining_clients", "Timer"]
+from ..fl import Participant, ProgressFn
+
+__all__ = ["CostRecord", "ClientPool", "PoolClients", "RecoveryMethod", "remaining_clients", "Timer"]
 
 
 @dataclass
@@ -111,6 +112,16 @@ class _CountedParticipant:
 
     def train(self, model_vec: torch.Tensor, round_idx: int, epochs: float | None = None) -> Any:
         return self._pool.request(self.client_id, model_vec, round_idx, epochs)
+
+
+class PoolClients:
+    """A ClientPool behind Stage II's CorrectionClients port (each request counted)."""
+
+    def __init__(self, pool: ClientPool) -> None:
+        self._pool = pool
+
+    def exact_updates(self, round_index: int, model: torch.Tensor, client_ids: list[int]) -> dict[int, Any]:
+        return {j: self._pool.exact(j, model, round_index) for j in client_ids}
 
 
 class Timer:

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
+from protocols.starfish.ports import History
+
 from ..fl import Participant, ProgressFn
-from ..history import History
 from .base import ClientPool, CostRecord, RecoveryMethod, Timer, remaining_clients
 
 __all__ = ["FedEraser", "calibrate"]

@@ -18,14 +18,16 @@ from typing import Protocol
 
 import torch
 
-from .history import History, InMemoryHistory, RoundRecord
+from protocols.starfish.ports import History, RoundRecord
+from servers.ring_aggregation import fedavg_weights
+
+from .history import InMemoryHistory
 
 __all__ = [
     "UpdateLike",
     "Participant",
     "ProgressFn",
     "stderr_progress",
-    "fedavg_weights",
     "aggregate",
     "run_federated",
 ]
@@ -75,14 +77,6 @@ def stderr_progress(prefix: str) -> ProgressFn:
         sys.stderr.flush()
 
     return report
-
-
-def fedavg_weights(sizes: dict[int, int]) -> dict[int, float]:
-    """w_j = |D_j| / sum_k |D_k| over the given clients."""
-    total = float(sum(sizes.values()))
-    if total <= 0:
-        raise ValueError("participants hold no data")
-    return {j: n / total for j, n in sizes.items()}
 
 
 def aggregate(updates: dict[int, torch.Tensor], weights: dict[int, float]) -> torch.Tensor:

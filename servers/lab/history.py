@@ -1,123 +1,22 @@
-"""The FL history that unlearning reads: one interface, a plaintext and an on-disk store.
+"""The lab's plaintext histories: in RAM (Stage I of a lab run) and on disk (re-analysis).
 
-Why one interface: the recovery methods and the Starfish sub-protocols must run unchanged
-on the plaintext lab and on the two secure servers (DESIGN.md 4.1). They only need, per
-round i = 1..T: the public global models M_{i-1} and M_i, the participants and their
-FedAvg weights, each participant's update g_i^j, its norm ||g_i^j|| and its tolerance
-threshold delta_i^j. In the secure servers the last three are secret-shared tensors
-(each server holds one share); here they are plain torch tensors. The interface says
-nothing about which: per-client values are typed :data:`Secret`.
-
-Conventions: rounds are 1-based; ``model(0)`` is the initial model M_0; ``model(i)`` is
-the model published after round i, M_i = M_{i-1} - server_lr * sum_j w_i^j g_i^j, and
-the updates of round i were computed on M_{i-1}.
+Both implement the Stage II port :class:`protocols.starfish.ports.History` on plain torch
+tensors; the secure servers implement it on shares (``servers.share_history``).
 """
 
 from __future__ import annotations
 
 import json
-from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["Secret", "RoundRecord", "History", "InMemoryHistory", "NpzHistory", "remaining_clients"]
+from protocols.starfish.ports import History, RoundRecord, Secret, check_record
 
-#: A plain torch tensor (plaintext lab) or a secret-shared tensor (CrypTen MPCTensor).
-Secret = Any
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    """Everything stored for one FL round (what ``History.append_round`` accepts)."""
-
-    model: torch.Tensor                   # M_i, public
-    participants: tuple[int, ...]         # clients whose updates reached the servers
-    weights: Mapping[int, float]          # FedAvg weights of this round, sum to 1
-    updates: Mapping[int, Secret]         # g_i^j
-    norms: Mapping[int, Secret]           # ||g_i^j||_2
-    deltas: Mapping[int, Secret]          # delta_i^j
-
-
-class History(ABC):
-    """Read access to T rounds of FL, plus appending a round (Stage I)."""
-
-    @property
-    @abstractmethod
-    def num_rounds(self) -> int:
-        """T, the number of completed rounds."""
-
-    @property
-    @abstractmethod
-    def server_lr(self) -> float:
-        """eta in M_i = M_{i-1} - eta * sum_j w_j g_i^j."""
-
-    @abstractmethod
-    def model(self, i: int) -> torch.Tensor:
-        """Public global model M_i, i = 0..T."""
-
-    @abstractmethod
-    def participants(self, i: int) -> tuple[int, ...]:
-        """Client ids that took part in round i (sorted)."""
-
-    @abstractmethod
-    def weights(self, i: int) -> Mapping[int, float]:
-        """FedAvg weights w_i^j = |D_j| / sum of |D_k| over round i's participants."""
-
-    @abstractmethod
-    def update(self, i: int, client: int) -> Secret:
-        """g_i^j, computed by client j on M_{i-1}."""
-
-    @abstractmethod
-    def norm(self, i: int, client: int) -> Secret:
-        """||g_i^j||_2 as reported by the client."""
-
-    @abstractmethod
-    def delta(self, i: int, client: int) -> Secret:
-        """delta_i^j, the client's tolerance threshold for round i."""
-
-    @abstractmethod
-    def append_round(self, record: RoundRecord) -> None:
-        """Store round T+1 (its model is M_{T+1})."""
-
-    # ---- conveniences built on the abstract accessors -------------------------------
-    def clients(self) -> tuple[int, ...]:
-        """Every client that took part in any round."""
-        seen: set[int] = set()
-        for i in range(1, self.num_rounds + 1):
-            seen.update(self.participants(i))
-        return tuple(sorted(seen))
-
-    def model_delta(self, i: int) -> torch.Tensor:
-        """M_i - M_{i-1} (public)."""
-        return self.model(i) - self.model(i - 1)
-
-    def num_samples(self, client: int) -> float | None:
-        """Relative data size of ``client`` (its weight in the first round it joined)."""
-        for i in range(1, self.num_rounds + 1):
-            w = self.weights(i)
-            if client in w:
-                return float(w[client])
-        return None
-
-
-def _check_record(record: RoundRecord, dim: int | None) -> None:
-    parts = tuple(record.participants)
-    if tuple(sorted(set(parts))) != parts:
-        raise ValueError("participants must be sorted and unique")
-    for name, table in (("weights", record.weights), ("updates", record.updates),
-                        ("norms", record.norms), ("deltas", record.deltas)):
-        if set(table) != set(parts):
-            raise ValueError(f"{name} must have exactly one entry per participant")
-    total = sum(float(record.weights[j]) for j in parts)
-    if parts and abs(total - 1.0) > 1e-6:
-        raise ValueError(f"FedAvg weights must sum to 1, got {total}")
-    if dim is not None and record.model.numel() != dim:
-        raise ValueError(f"model has {record.model.numel()} entries, expected {dim}")
+__all__ = ["InMemoryHistory", "NpzHistory", "NpzTwinRecorder"]
 
 
 class InMemoryHistory(History):
@@ -162,7 +61,7 @@ class InMemoryHistory(History):
         return self._round(i).deltas[client]
 
     def append_round(self, record: RoundRecord) -> None:
-        _check_record(record, self._models[0].numel())
+        check_record(record, self._models[0].numel())
         model = record.model.detach().clone().reshape(-1)
         self._rounds.append(RoundRecord(model, tuple(record.participants),
                                         dict(record.weights), dict(record.updates),
@@ -246,7 +145,7 @@ class NpzHistory(History):
         return self._load(i)["deltas"][client]
 
     def append_round(self, record: RoundRecord) -> None:
-        _check_record(record, self._m0.numel())
+        check_record(record, self._m0.numel())
         parts: Sequence[int] = record.participants
 
         def scalar(v: Secret) -> float:
@@ -264,13 +163,24 @@ class NpzHistory(History):
         self._count += 1
 
 
-def remaining_clients(history: History, targets: Iterable[int]) -> list[int]:
-    """The clients that stay after unlearning ``targets`` (all of them must have taken part)."""
-    t = set(targets)
-    unknown = t - set(history.clients())
-    if unknown:
-        raise ValueError(f"targets {sorted(unknown)} never took part in FL")
-    rest = [j for j in history.clients() if j not in t]
-    if not rest:
-        raise ValueError("no client would remain after unlearning")
-    return rest
+class NpzTwinRecorder:
+    """The client simulator's plaintext twin written as an :class:`NpzHistory` (``TwinRecorder``)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.location = str(directory)
+        self._history: NpzHistory | None = None
+
+    def start(self, initial_model: np.ndarray, server_lr: float) -> None:
+        self._history = NpzHistory(self.location, initial_model=torch.from_numpy(initial_model),
+                                   server_lr=server_lr)
+
+    def round(self, model: np.ndarray, participants: tuple[int, ...], weights: dict[int, float],
+              updates: dict[int, np.ndarray], norms: dict[int, float],
+              deltas: dict[int, float]) -> None:
+        if self._history is None:
+            raise RuntimeError("start() the twin before recording rounds")
+        self._history.append_round(RoundRecord(
+            model=torch.from_numpy(model), participants=tuple(participants), weights=weights,
+            updates={j: torch.from_numpy(updates[j]) for j in participants},
+            norms={j: torch.tensor(norms[j], dtype=torch.float64) for j in participants},
+            deltas={j: torch.tensor(deltas[j], dtype=torch.float64) for j in participants}))

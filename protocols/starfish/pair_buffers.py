@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from protocols.starfish.backend import stack
+from .backend import stack
 
 __all__ = ["PairBuffers"]
 
@@ -39,9 +39,6 @@ class PairBuffers:
             self._s[client].pop(0)
             self._y[client].pop(0)
         return True
-
-    def full(self, client: int) -> bool:
-        return len(self._s[client]) >= self.size
 
     def all_full(self) -> bool:
         return all(len(v) >= self.size for v in self._s.values())

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
+from protocols.starfish.ports import History
+
 from ..fl import Participant, ProgressFn, run_federated
-from ..history import History
 from .base import ClientPool, CostRecord, RecoveryMethod, Timer, remaining_clients
 
 __all__ = ["Retrain"]

@@ -17,7 +17,7 @@ we default to alpha = 0.001 (tau near the largest stored coordinates), which fla
 genuinely abnormal estimates only.
 
 Otherwise the server estimates g_hat^j = g_t^j + H^j (M_hat - M_{t-1}) with the compact
-L-BFGS product (``protocols.starfish.update_estimation``, the same code as Starfish), and
+L-BFGS product and the same replay loop as Starfish (``protocols.starfish.replay``), and
 steps M_hat <- M_hat - eta * sum_j w_j g_hat^j.
 """
 
@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from protocols.starfish.update_estimation import Inverse, estimate_updates
+from protocols.starfish.params import ceil_rate
+from protocols.starfish.ports import History
+from protocols.starfish.replay import Replay
+from protocols.starfish.update_estimation import Inverse
 
 from ..fl import Participant, ProgressFn
-from ..history import History
-from .base import ClientPool, CostRecord, RecoveryMethod, Timer, remaining_clients
-from ..lbfgs_pairs import PairBuffers
+from .base import ClientPool, CostRecord, PoolClients, RecoveryMethod, Timer, remaining_clients
 
 __all__ = ["FedRecover", "global_threshold", "plain_inverse"]
 
@@ -66,6 +68,36 @@ def global_threshold(history: History, clients: Sequence[int], alpha: float,
     return float(torch.kthvalue(values, values.numel() - k).values)
 
 
+class _FedRecoverSchedule:
+    """Warm-up, periodic correction, final tuning; otherwise abnormality fixing (|g_hat| > tau)."""
+
+    def __init__(self, method: FedRecover, num_rounds: int, interval: int, tau: float,
+                 cost: CostRecord) -> None:
+        self.m = method
+        self.T = num_rounds
+        self.interval = interval
+        self.tau = tau
+        self.cost = cost
+        self.warm = 0
+        self.abnormal_total = 0
+
+    def exact_now(self, step: int, t: int, replay: Replay) -> bool:
+        in_warmup = self.warm < self.m.warmup or not replay.buffers.all_full()
+        periodic = (not in_warmup) and self.warm > 0 and (t - self.warm) % self.interval == 0
+        final = t > self.T - self.m.final_tuning
+        if in_warmup:
+            self.warm = t
+        elif periodic or final:
+            self.cost.correction_steps.append(t)
+        return in_warmup or periodic or final
+
+    def rejected(self, step: int, t: int, estimates: Any, replay: Replay) -> list[int]:
+        abnormal = estimates.abs().amax(dim=-1) > self.tau
+        ids = [j for k, j in enumerate(replay.rest) if bool(abnormal[k])]
+        self.abnormal_total += len(ids)
+        return ids
+
+
 class FedRecover(RecoveryMethod):
     name = "fedrecover"
 
@@ -89,56 +121,23 @@ class FedRecover(RecoveryMethod):
         rest = remaining_clients(history, targets)
         pool = ClientPool(participants, rest)
         T = history.num_rounds
+        for t in range(1, T + 1):
+            if any(j not in history.participants(t) for j in rest):
+                raise NotImplementedError("FedRecover here assumes full participation")
         eta = self.server_lr if self.server_lr is not None else history.server_lr
-        tc = self.correction_period or max(1, math.ceil(round(self.beta * T, 9)))
+        tc = self.correction_period or max(1, ceil_rate(self.beta, T))
         cost = CostRecord(self.name, T, selected_rounds=list(range(1, T + 1)))
         with Timer() as timer:
             tau = (math.inf if self.abnormal_alpha is None
                    else global_threshold(history, rest, self.abnormal_alpha, self.tau_sample))
-            buffers = PairBuffers(rest, self.buffer)
-            m0_dtype = history.model(0).dtype
-            model = history.model(0).to(torch.float64).clone()
-            warm = 0
-            abnormal_total = 0
-            for t in range(1, T + 1):
-                for j in rest:
-                    if j not in history.participants(t):
-                        raise NotImplementedError("FedRecover here assumes full participation")
-                w_all = history.weights(t)
-                wsum = sum(w_all[j] for j in rest)
-                w = {j: w_all[j] / wsum for j in rest}
-                s = model - history.model(t - 1).to(torch.float64)
-                stored = {j: torch.as_tensor(history.update(t, j)).to(torch.float64) for j in rest}
-                in_warmup = warm < self.warmup or not buffers.all_full()
-                periodic = (not in_warmup) and warm > 0 and (t - warm) % tc == 0
-                final = t > T - self.final_tuning
-                used: dict[int, torch.Tensor] = {}
-                if in_warmup or periodic or final:
-                    if in_warmup:
-                        warm = t
-                    else:
-                        cost.correction_steps.append(t)
-                    exact_ids = list(rest)
-                else:
-                    S, Y = buffers.stacked(rest)
-                    est = estimate_updates(torch.stack([stored[j] for j in rest]), s, S, Y,
-                                           self.inverse)
-                    cost.estimated_updates += len(rest)
-                    abnormal = est.abs().amax(dim=-1) > tau
-                    exact_ids = [j for k, j in enumerate(rest) if bool(abnormal[k])]
-                    abnormal_total += len(exact_ids)
-                    for k, j in enumerate(rest):
-                        used[j] = est[k]
-                for j in exact_ids:
-                    gbar = pool.exact(j, model.to(m0_dtype), t).to(torch.float64)
-                    buffers.push(j, s, gbar - stored[j])
-                    used[j] = gbar
-                model = model - eta * sum(w[j] * used[j] for j in rest)
-                if progress is not None:
-                    progress(t, T, f"exact {len(exact_ids)}/{len(rest)}")
+            replay = Replay(history, rest, PoolClients(pool), buffer=self.buffer, server_lr=eta,
+                            inverse=self.inverse)
+            schedule = _FedRecoverSchedule(self, T, tc, tau, cost)
+            model = replay.run(range(1, T + 1), schedule, progress)
+        cost.estimated_updates = replay.estimated_updates
         cost.wall_time_s = timer.elapsed
         cost.rounds_used = T
-        cost.extra.update({"tau": tau, "warmup_rounds": warm, "correction_period": tc,
-                           "abnormal_fixes": abnormal_total})
+        cost.extra.update({"tau": tau, "warmup_rounds": schedule.warm, "correction_period": tc,
+                           "abnormal_fixes": schedule.abnormal_total})
         pool.fill(cost)
-        return model.to(history.model(0).dtype), cost
+        return model, cost

@@ -1,54 +1,40 @@
 """Starfish unlearning (Alg. 4, Stage II) in the lab, and its random-selection baseline.
 
-The algorithm itself is ``servers.unlearning.run_stage2``, the same function the secure
+The algorithm itself is ``protocols.starfish.run_stage2``, the same function the secure
 servers run on shares; this module adapts it to the lab's RecoveryMethod interface (a
 ClientPool answers the correction requests and counts client work for ARP).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from protocols.starfish.round_selection import DEFAULT_T_DELTA, Method
+from protocols.starfish.params import Method, StarfishParams
+from protocols.starfish.ports import History
+from protocols.starfish.round_selection import starfish_select
+from protocols.starfish.stage2 import run_stage2
 from protocols.starfish.update_estimation import Inverse
 
 from ..fl import Participant, ProgressFn
-from ..history import History
-from ..unlearning import StarfishParams, run_stage2, starfish_select
-from .base import ClientPool, CostRecord, RecoveryMethod, Timer, remaining_clients
+from .base import ClientPool, CostRecord, PoolClients, RecoveryMethod, Timer, remaining_clients
 
-__all__ = ["Starfish", "RandomSelection", "STARFISH_DEFAULTS"]
-
-#: Paper defaults (Sec. VI-A): selection rate, tolerance rate, interval rate, buffer.
-#: alpha is used by the clients in Stage I (it shapes delta_i^j), not here.
-STARFISH_DEFAULTS = {"sigma": 0.6, "alpha": 0.4, "beta": 0.1, "buffer": 2}
-
-
-class _PoolClients:
-    """The lab's simulated clients behind Stage II's CorrectionClients interface."""
-
-    def __init__(self, pool: ClientPool) -> None:
-        self._pool = pool
-
-    def exact_updates(self, round_index: int, model: torch.Tensor, client_ids: list[int]) -> dict[int, Any]:
-        return {j: self._pool.exact(j, model, round_index) for j in client_ids}
+__all__ = ["Starfish", "RandomSelection"]
 
 
 class Starfish(RecoveryMethod):
-    """Plaintext Starfish: ``servers.unlearning.run_stage2`` on a plaintext history."""
+    """Plaintext Starfish: ``protocols.starfish.run_stage2`` on a plaintext history."""
 
     name = "starfish"
 
-    def __init__(self, sigma: float = 0.6, beta: float = 0.1, buffer: int = 2,
-                 method: Method = "auto", t_delta: int = DEFAULT_T_DELTA,
-                 server_lr: float | None = None, inverse: Inverse | None = None) -> None:
-        self.params = StarfishParams(sigma=sigma, beta=beta, buffer=buffer, method=method,
-                                     t_delta=t_delta, server_lr=server_lr)
+    def __init__(self, params: StarfishParams | None = None, *, inverse: Inverse | None = None,
+                 **overrides: Any) -> None:
+        """``params`` (default: the paper's), or single fields as keywords (sigma=, beta=, ...)."""
+        base = params or StarfishParams()
+        self.params = StarfishParams(**{**base.__dict__, **overrides}) if overrides else base
         self.inverse = inverse
 
     @property
@@ -67,16 +53,15 @@ class Starfish(RecoveryMethod):
         pool = ClientPool(participants, rest)
         cost = CostRecord(self.name, history.num_rounds)
         with Timer() as timer:
-            res = run_stage2(None, history, targets, self.params, _PoolClients(pool), progress,
+            res = run_stage2(None, history, targets, self.params, PoolClients(pool), progress,
                              inverse=self.inverse, select=self.select)
         cost.wall_time_s = timer.elapsed
         cost.selected_rounds = res.selected_rounds
         cost.correction_steps = res.correction_steps
         cost.estimated_updates = res.estimated_updates
         cost.rounds_used = len(res.selected_rounds)
-        T = history.num_rounds
         cost.extra.update({"warmup_steps": res.warmup_steps,
-                           "correction_interval": max(1, math.ceil(round(self.params.beta * T, 9))),
+                           "correction_interval": self.params.correction_interval(history.num_rounds),
                            "flagged_corrections": sum(len(v) for v in res.flags.values()),
                            "sigma": self.params.sigma, "beta": self.params.beta,
                            "buffer": self.params.buffer})
@@ -89,8 +74,8 @@ class RandomSelection(Starfish):
 
     name = "random"
 
-    def __init__(self, seed: int = 0, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, params: StarfishParams | None = None, *, seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
         self.seed = seed
 
     def select(self, history: History, targets: Sequence[int], k: int,

@@ -1,4 +1,4 @@
-"""Bit planes, edabits and the sign test (protocols.sign_test) against numpy oracles."""
+"""Bit planes, edabits and the sign test (mpc.nonnegative) against numpy oracles."""
 
 from __future__ import annotations
 

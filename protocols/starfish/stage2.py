@@ -1,0 +1,142 @@
+"""Stage II of Starfish (Alg. 4): one driver for the plaintext lab and the 2PC servers.
+
+``run_stage2`` reads a :class:`protocols.starfish.ports.History` whose per-client values are plain
+tensors (plaintext lab) or this party's CrypTen shares (secure servers) and runs the Starfish steps
+(one module each in this package) on them. Every operation on client data goes
+through those sub-protocols or through operators CrypTen tensors share with torch, so the
+same lines run on both backends. What it reveals is what the paper reveals: the selected
+round indices, the correction flags, and the aggregated estimate G_hat of every replayed
+round (the recovered model M_hat is public).
+
+Steps, each metered under its own name when a two-party ``party`` is given:
+
+* ``TD``  delta^j = max_i delta_i^j for every remaining client (batched SecMax);
+* ``RS``  the T' = ceil(sigma T) rounds most aligned with the targets (SecRS);
+* ``UE``  replay of the selected rounds: warm-up with exact updates until every client's
+  buffer holds B pairs, then FedRecover's estimate g + H(M_hat - M) (SecUE);
+* ``aggregate``  sum_j w_j g^j of every replayed round and its reveal (public weights, so
+  local sums and one opening);
+* ``TC``  every T_c = ceil(beta T) replayed rounds, the threshold check (SecTC);
+* ``correction``  exact updates of the warm-up and of flagged clients replace estimates
+  and refresh the buffers.
+
+Schedule detail the paper leaves open: "t_i mod T_c == 0" (Alg. 4 line 15) is read with t_i
+the position of the round in the replay (1..T'), so checks come every T_c replayed rounds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .backend import stack, to_compute
+from .params import StarfishParams
+from .ports import CorrectionClients, History, remaining_clients
+from .replay import ProgressFn, Replay, no_meter
+from .round_selection import starfish_select
+from .threshold_check import check_thresholds
+from .threshold_determination import determine_thresholds
+from .update_estimation import Inverse
+
+__all__ = ["Stage2Result", "run_stage2"]
+
+Selector = Callable[[History, Sequence[int], int, StarfishParams], list[int]]
+
+
+@dataclass
+class Stage2Result:
+    model: torch.Tensor
+    selected_rounds: list[int]
+    thresholds_revealed: bool = False
+    flags: dict[int, list[int]] = field(default_factory=dict)        # replay step -> flagged ids
+    exact_requests: dict[int, list[int]] = field(default_factory=dict)  # replay step -> ids asked
+    warmup_steps: int = 0
+    correction_steps: list[int] = field(default_factory=list)
+    estimated_updates: int = 0
+    seconds: float = 0.0
+    meters: dict | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "selected_rounds": self.selected_rounds,
+            "flags": {str(k): v for k, v in self.flags.items()},
+            "exact_requests": {str(k): v for k, v in self.exact_requests.items()},
+            "warmup_steps": self.warmup_steps,
+            "correction_steps": self.correction_steps,
+            "estimated_updates": self.estimated_updates,
+            "seconds": self.seconds,
+        }
+
+
+class _StarfishSchedule:
+    """Warm-up until every buffer holds B pairs; then SecTC every T_c replayed rounds."""
+
+    def __init__(self, interval: int, thresholds: Any, result: Stage2Result) -> None:
+        self.interval = interval
+        self.thresholds = thresholds
+        self.result = result
+
+    def exact_now(self, step: int, round_index: int, replay: Replay) -> bool:
+        if replay.buffers.all_full():
+            return False
+        self.result.warmup_steps += 1
+        return True
+
+    def rejected(self, step: int, round_index: int, estimates: Any, replay: Replay) -> list[int]:
+        if step % self.interval:
+            return []
+        self.result.correction_steps.append(step)
+        with replay.meter("TC"):
+            flags = check_thresholds(estimates, self.thresholds)
+        ids = [j for r, j in enumerate(replay.rest) if int(flags[r]) == 1]
+        self.result.flags[step] = list(ids)
+        return ids
+
+
+def run_stage2(
+    party: Any,
+    history: History,
+    targets: Sequence[int],
+    params: StarfishParams,
+    clients: CorrectionClients,
+    progress: ProgressFn | None = None,
+    *,
+    inverse: Inverse | None = None,
+    select: Selector = starfish_select,
+) -> Stage2Result:
+    """Unlearn ``targets`` from ``history``; see the module docstring.
+
+    ``party``: the two-party session handle (``mpc.session.Party``) for metering, or None
+    in plaintext. ``select`` replaces round selection (the random-selection baseline).
+    """
+    meter = party.meter if party is not None else no_meter
+    t0 = time.perf_counter()
+    targets = sorted(set(targets))
+    rest = remaining_clients(history, targets)
+    T = history.num_rounds
+    for i in range(1, T + 1):
+        if any(j not in history.participants(i) for j in rest):
+            raise NotImplementedError("Starfish here assumes full participation of the remaining clients")
+    eta = params.server_lr if params.server_lr is not None else history.server_lr
+
+    with meter("TD"):
+        deltas = stack([stack([to_compute(history.delta(i, j)) for i in range(1, T + 1)]) for j in rest])
+        thresholds = determine_thresholds(deltas)
+    with meter("RS"):
+        selected = select(history, targets, params.num_selected(T), params)
+    result = Stage2Result(model=history.model(0), selected_rounds=list(selected))
+
+    replay = Replay(history, rest, clients, buffer=params.buffer, server_lr=eta, meter=meter,
+                    inverse=inverse)
+    schedule = _StarfishSchedule(params.correction_interval(T), thresholds, result)
+    result.model = replay.run(selected, schedule, progress)
+    result.estimated_updates = replay.estimated_updates
+    result.exact_requests = replay.exact_requests
+    result.seconds = time.perf_counter() - t0
+    if party is not None:
+        result.meters = party.meters()
+    return result

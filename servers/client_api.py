@@ -1,0 +1,299 @@
+"""The client API of a server: ``mpc.wire`` requests over mutually authenticated TLS 1.3.
+
+A client is the certificate name ``client-<id>``, the operator ``admin`` (who may read state
+and jobs and request unlearning, nothing else). Every connection is served in its own
+thread, at most ``limits.max_connections`` at a time; every request gets one reply frame,
+never an exception. A state-changing request (``wire.MUTATING_OPS``) carries a nonce larger
+than the identity's last accepted one (durable in ``servers.service_state``), so a replay is
+refused, also after a restart. The operations:
+
+* public state and models: ``state``, ``get_model``, ``round_info``, ``status``;
+* ``upload``: a client's shares for the open FL round (``servers.round_coordinator``);
+* ``unlearn``, ``job_status``: unlearning requests and their jobs (``servers.job_scheduler``);
+* ``poll_tasks``, ``get_task``, ``task_result``: Stage II correction tasks
+  (``servers.correction_tasks``).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+
+from mpc import tls, wire
+from mpc.channel import KIND_OBJECT, Channel, ChannelError, PeerTimeout, ProtocolError, accept_loop
+from mpc.service_config import ServiceConfig
+
+from .correction_tasks import TaskBoard
+from .crash_points import checkpoint
+from .job_scheduler import JobScheduler
+from .round_coordinator import RoundCoordinator
+from .service_state import ServiceState
+from .share_store import JobError, JobRecord, ShareStore, StagingConflictError, StagingError
+from .unlearning_jobs import read_result
+
+__all__ = ["ClientAPI"]
+
+log = logging.getLogger("starfish.server")
+
+#: What the operator (``admin``) may do; FL clients may do everything else.
+ADMIN_OPS = frozenset({"state", "get_model", "round_info", "unlearn", "job_status", "status"})
+#: The result fields ``job_status`` shows of a finished job.
+RESULT_FIELDS = ("selected_rounds", "flags", "correction_steps", "warmup_steps", "wall_seconds",
+                 "model_sha256", "client_exact_updates", "meters")
+
+
+class ClientAPI:
+    """Serves the clients and the operator on ``listener`` until ``stop`` is set."""
+
+    def __init__(self, cfg: ServiceConfig, party: int, listener: socket.socket, ctx: ssl.SSLContext,
+                 *, store: ShareStore, state: ServiceState, board: TaskBoard,
+                 rounds: RoundCoordinator, jobs: JobScheduler, stop: threading.Event) -> None:
+        self.cfg = cfg
+        self.party = party
+        self.max_bytes = cfg.limits.max_message_bytes
+        self.store = store
+        self.state = state
+        self.board = board
+        self.rounds = rounds
+        self.jobs = jobs
+        self.stop_event = stop
+        self._listener = listener
+        self._ctx = ctx
+        self._id_locks: dict[str, threading.Lock] = {}
+        self._id_guard = threading.Lock()
+        self._connections = 0
+        self._conn_guard = threading.Lock()
+        self._clients_cache: tuple[int, frozenset[int]] = (-1, frozenset())
+        self._ops: dict[str, Callable[[str, dict], dict]] = {
+            "state": self._op_state, "get_model": self._op_get_model,
+            "round_info": self._op_round_info, "upload": self._op_upload,
+            "unlearn": self._op_unlearn, "job_status": self._op_job_status,
+            "status": self._op_status, "poll_tasks": self._op_poll_tasks,
+            "get_task": self._op_get_task, "task_result": self._op_task_result,
+        }
+
+    # ------------------------------------------------------------------ connections
+    def serve_forever(self) -> None:
+        accept_loop(self._listener, self._serve_client, self.stop_event, name="client",
+                    admit=self._admit_client)
+
+    def _admit_client(self) -> bool:
+        with self._conn_guard:
+            if self._connections >= self.cfg.limits.max_connections:
+                log.warning("refusing a client connection: %d open", self._connections)
+                return False
+            self._connections += 1
+            return True
+
+    @staticmethod
+    def _allowed(name: str) -> bool:
+        return name == tls.ADMIN_NAME or wire.client_id_of(name) is not None
+
+    def _serve_client(self, sock: socket.socket) -> None:
+        try:
+            try:
+                ch = Channel.wrap_accepted(sock, self._ctx, self._allowed, kind="online",
+                                           timeout=self.cfg.limits.idle_timeout,
+                                           max_frame=self.cfg.limits.max_frame_bytes)
+            except ChannelError as exc:
+                log.info("refused a client connection: %s", exc)
+                return
+            who = ch.peer
+            try:
+                while not self.stop_event.is_set():
+                    try:
+                        buf = ch.recv_frame(KIND_OBJECT)
+                    except ProtocolError as exc:
+                        # a frame of another kind: answer and go on. A frame above the hard cap
+                        # ended the reader, so this send fails and the connection is dropped.
+                        ch.send_frame(KIND_OBJECT, wire.error_reply(
+                            None, "bad_request", f"{exc} (requests are msgpack object frames)"))
+                        continue
+                    ch.send_frame(KIND_OBJECT, self.handle(who, buf))
+            except PeerTimeout:
+                log.debug("%s: idle connection closed", who)
+            except ChannelError as exc:
+                log.debug("%s: connection ended: %s", who, exc)
+            finally:
+                ch.close()
+        finally:
+            with self._conn_guard:
+                self._connections -= 1
+
+    # ------------------------------------------------------------------ requests
+    def _identity_lock(self, who: str) -> threading.Lock:
+        with self._id_guard:
+            return self._id_locks.setdefault(who, threading.Lock())
+
+    def handle(self, who: str, buf: bytes | bytearray) -> bytes:
+        """Answer one request of identity ``who``: a reply frame, never an exception."""
+        msg_id = None
+        try:
+            req = wire.parse_request(buf, self.max_bytes)
+            msg_id = req.id
+            self._authorize(who, req)
+            fn = self._ops[req.op]
+            if req.op in wire.MUTATING_OPS:
+                with self._identity_lock(who):
+                    last = self.state.last_nonce(who)
+                    if req.fields["nonce"] <= last:
+                        raise wire.WireError("replay", f"nonce {req.fields['nonce']} is not larger "
+                                                       f"than the last accepted one ({last}) of {who}")
+                    out = fn(who, req.fields)
+                    self.state.record_nonce(who, req.fields["nonce"])
+            else:
+                out = fn(who, req.fields)
+            return wire.ok_reply(msg_id, **out)
+        except wire.WireError as exc:
+            return wire.error_reply(exc.msg_id or msg_id, exc.code, exc.message)
+        except StagingConflictError as exc:
+            return wire.error_reply(msg_id, "conflict", str(exc))
+        except StagingError as exc:
+            return wire.error_reply(msg_id, "closed", str(exc))
+        except JobError as exc:
+            return wire.error_reply(msg_id, "conflict", str(exc))
+        except (ValueError, TypeError) as exc:
+            return wire.error_reply(msg_id, "bad_request", str(exc))
+        except Exception:  # noqa: BLE001 - the client gets a reply, the log the traceback
+            log.exception("request from %s failed", who)
+            return wire.error_reply(msg_id, "internal", "internal error (see the server log)")
+
+    def _authorize(self, who: str, req: wire.Request) -> None:
+        if who == tls.ADMIN_NAME:
+            if req.op not in ADMIN_OPS:
+                raise wire.WireError("unauthorized", f"{req.op} is for FL clients; admin may use "
+                                                     f"{sorted(ADMIN_OPS)}")
+            return
+        if wire.client_id_of(who) is None:  # the TLS layer lets no one else in; belt and braces
+            raise wire.WireError("unauthorized", f"{who} is not a client of this deployment")
+
+    # ------------------------------------------------------------------ public state
+    def _op_state(self, who: str, f: dict) -> dict:
+        T = self.store.num_rounds
+        return {"party": self.party, "T": T, "rounds": self.cfg.fl.rounds,
+                "open_round": self.rounds.open_round(), "training": T < self.cfg.fl.rounds,
+                "dim": self.store.dim, "precision": self.store.precision,
+                "server_lr": self.store.server_lr, "busy_job": self.jobs.running}
+
+    def _op_get_model(self, who: str, f: dict) -> dict:
+        T = self.store.num_rounds
+        i = f.get("round", T)
+        if i > T:
+            raise wire.WireError("not_found", f"model {i} does not exist yet (T = {T})")
+        return {"round": i, "model": wire.tensor(self.store.model(i))}
+
+    def _op_round_info(self, who: str, f: dict) -> dict:
+        i, T = f["round"], self.store.num_rounds
+        if i > T:
+            raise wire.WireError("not_found", f"round {i} is not committed (T = {T})")
+        parts = list(self.store.participants(i))
+        w = self.store.weights(i)
+        sizes = self.store.metadata(i).get("num_samples", {})
+        return {"round": i, "participants": parts, "weights": [w[j] for j in parts],
+                "num_samples": [int(sizes.get(str(j), 0)) for j in parts]}
+
+    def _op_status(self, who: str, f: dict) -> dict:
+        T = self.store.num_rounds
+        jobs = [self._job_dict(j) for j in self.store.jobs() if self._may_see(who, j)][-100:]
+        return {"party": self.party, "T": T, "rounds": self.cfg.fl.rounds,
+                "open_round": self.rounds.open_round(), "staged": list(self.store.staged(T + 1)),
+                "busy_job": self.jobs.running, "jobs": jobs}
+
+    # ------------------------------------------------------------------ uploads
+    def _op_upload(self, who: str, f: dict) -> dict:
+        cid = wire.client_id_of(who)
+        assert cid is not None
+        r, T = f["round"], self.store.num_rounds
+        if T >= self.cfg.fl.rounds:
+            raise wire.WireError("closed", f"training finished after {T} rounds; no round is open")
+        if r != T + 1:
+            raise wire.WireError("closed", f"round {r} is not open; the open round is {T + 1}")
+        dim = self.store.dim
+        update = wire.decode_share(f["update"], "update", (dim,), self.party)
+        norm = wire.decode_share(f["norm"], "norm", (), self.party)
+        delta = wire.decode_share(f["delta"], "delta", (), self.party)
+        n = f["num_samples"]
+        staged = cid in self.store.staged(r)
+        prev = self.state.size(r, cid)
+        if staged and prev is not None and prev != n:
+            raise wire.WireError("conflict", f"client {cid} already uploaded for round {r} with "
+                                             f"num_samples {prev}, not {n}")
+        if prev != n:
+            self.state.set_size(r, cid, n)
+        stored = self.store.stage_upload(r, cid, update, norm, delta)
+        checkpoint("upload-staged")
+        self.rounds.wake()
+        return {"round": r, "stored": stored}
+
+    # ------------------------------------------------------------------ unlearning requests and jobs
+    def _fl_clients(self) -> frozenset[int]:
+        T = self.store.num_rounds
+        if self._clients_cache[0] != T:
+            seen: set[int] = set()
+            for i in range(1, T + 1):
+                seen.update(self.store.participants(i))
+            self._clients_cache = (T, frozenset(seen))
+        return self._clients_cache[1]
+
+    def _op_unlearn(self, who: str, f: dict) -> dict:
+        cid = wire.client_id_of(who)
+        targets = f.get("targets")
+        if cid is not None:
+            if targets is not None and targets != [cid]:
+                raise wire.WireError("unauthorized", f"{who} may request unlearning of its own data "
+                                                     f"only (client {cid}), not of {targets}")
+            targets = [cid]
+        elif targets is None:
+            raise wire.WireError("bad_request", "admin must name the targets")
+        unknown = sorted(set(targets) - self._fl_clients())
+        if unknown:
+            raise wire.WireError("not_found", f"clients {unknown} took part in no committed round")
+        rec = self.jobs.submit(who, targets, f["job"])
+        self.rounds.wake()
+        return {"job": rec.id, "state": rec.state}
+
+    @staticmethod
+    def _job_dict(rec: JobRecord) -> dict:
+        return {"job": rec.id, "requester": rec.requester, "targets": list(rec.targets),
+                "state": rec.state, "progress": rec.progress, "error": rec.error,
+                "created_at": rec.created_at, "updated_at": rec.updated_at}
+
+    @staticmethod
+    def _may_see(who: str, rec: JobRecord) -> bool:
+        cid = wire.client_id_of(who)
+        return who == tls.ADMIN_NAME or rec.requester == who or (cid is not None and cid in rec.targets)
+
+    def _op_job_status(self, who: str, f: dict) -> dict:
+        try:
+            rec = self.store.job(f["job"])
+        except KeyError:
+            raise wire.WireError("not_found", f"no unlearning job {f['job']!r}") from None
+        if not self._may_see(who, rec):
+            raise wire.WireError("unauthorized", f"{who} may not read job {rec.id}")
+        out = self._job_dict(rec)
+        if rec.state == "done" and rec.result_path:
+            summary, model = read_result(rec.result_path)
+            out["result"] = {k: summary[k] for k in RESULT_FIELDS if k in summary}
+            if f.get("with_model"):
+                out["model"] = wire.tensor(model)
+        return out
+
+    # ------------------------------------------------------------------ correction tasks
+    def _op_poll_tasks(self, who: str, f: dict) -> dict:
+        cid = wire.client_id_of(who)
+        return {"tasks": [{"task": t.id, "job": t.job, "round": t.round, "model_sha256": t.model_sha256}
+                          for t in self.board.open_for(cid)]}
+
+    def _op_get_task(self, who: str, f: dict) -> dict:
+        t = self.board.get(f["task"], wire.client_id_of(who))
+        return {"task": t.id, "job": t.job, "round": t.round, "model": wire.tensor(t.model),
+                "model_sha256": t.model_sha256}
+
+    def _op_task_result(self, who: str, f: dict) -> dict:
+        cid = wire.client_id_of(who)
+        self.board.get(f["task"], cid)  # existence and addressee before decoding
+        share = wire.decode_share(f["update"], "update", (self.store.dim,), self.party)
+        return {"stored": self.board.submit(f["task"], cid, share)}

@@ -1,0 +1,298 @@
+"""The messages of the control link between the two servers, typed.
+
+Server 0 sends one request at a time (``servers.peer_link``); server 1 answers:
+
+===============  ==================  ===============================================
+op               request             reply
+===============  ==================  ===============================================
+``state``        :class:`GetState`   :class:`PeerState` (rounds, staged uploads, jobs)
+``close_round``  :class:`CloseRound` :class:`RoundShare` (server 1's share sum, digest)
+``job_start``    :class:`JobStart`   no fields
+``job_fail``     :class:`JobFail`    no fields
+===============  ==================  ===============================================
+
+Each message is a frozen dataclass; ``to_wire()`` gives the fields of its msgpack map and
+``from_wire()`` rebuilds it, checking every field's type (and the invariants a message must
+hold, e.g. sorted unique participants with one size each). A malformed message raises
+:class:`ValueError`, which server 1 reports as a refused request and server 0 as a failed
+leader step. The peer is a server of the same deployment running the same code, so there is
+no versioning: both sides change together.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from mpc import wire
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .share_store import JobRecord
+
+__all__ = ["GetState", "PeerState", "LastRound", "JobRow", "CloseRound", "RoundShare", "JobStart",
+           "JobFail", "PeerRequest", "parse_request", "params_key"]
+
+#: Server 1 reports at most this many of its most recent jobs.
+MAX_JOB_ROWS = 1000
+
+
+# ------------------------------------------------------------------ field checks
+def _fields(msg: Any, what: str) -> Callable[[str], Any]:
+    """``get(name)``: the field ``name`` of the map ``msg``; a missing field is a ValueError."""
+    if not isinstance(msg, Mapping):
+        raise ValueError(f"{what} must be a map")
+
+    def get(name: str) -> Any:
+        if name not in msg:
+            raise ValueError(f"{what} has no field {name!r}")
+        return msg[name]
+    return get
+
+
+def _int(v: Any, what: str, lo: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{what} must be an integer >= {lo}")
+    return v
+
+
+def _str(v: Any, what: str) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"{what} must be a string")
+    return v
+
+
+def _opt_str(v: Any, what: str) -> str | None:
+    return None if v is None else _str(v, what)
+
+
+def _float(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{what} must be a finite number")
+    return float(v)
+
+
+def _int_list(v: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+        raise ValueError(f"{what} must be a list of integers")
+    return tuple(v)
+
+
+def _tensor(v: Any, what: str, dim: int) -> np.ndarray:
+    if not isinstance(v, Mapping):
+        raise ValueError(f"{what} must be a tensor map")
+    try:
+        return wire.decode_tensor(v, what, ("<i8",), (dim,))
+    except (KeyError, wire.WireError) as exc:
+        raise ValueError(f"{what}: {getattr(exc, 'message', exc)}") from exc
+
+
+def params_key(params: Mapping[str, Any]) -> str:
+    """A job's public parameters as the canonical JSON both servers compare."""
+    return json.dumps(dict(params), sort_keys=True)
+
+
+# ------------------------------------------------------------------ state: server 1's view
+@dataclass(frozen=True)
+class GetState:
+    """Server 0 asks for server 1's view (reply :class:`PeerState`)."""
+
+    OP: ClassVar[str] = "state"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True)
+class LastRound:
+    """Server 1's last committed round: its participants and their |D_j|, in that order."""
+
+    round: int
+    participants: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) != len(self.participants):
+            raise ValueError("last round: one size per participant")
+
+    def sizes_by_client(self) -> dict[int, int]:
+        return dict(zip(self.participants, self.sizes))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"round": self.round, "participants": list(self.participants), "sizes": list(self.sizes)}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> LastRound:
+        g = _fields(msg, "last round")
+        return cls(_int(g("round"), "last.round", 1), _int_list(g("participants"), "last.participants"),
+                   _int_list(g("sizes"), "last.sizes"))
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """One unlearning job as server 1 holds it; server 0 compares it with its own record."""
+
+    id: str
+    requester: str
+    targets: tuple[int, ...]
+    state: str
+    params: str              # params_key() of the job's public parameters
+    created_at: float
+    error: str | None
+
+    @classmethod
+    def of(cls, rec: JobRecord) -> JobRow:
+        return cls(rec.id, rec.requester, tuple(rec.targets), str(rec.state), params_key(rec.params),
+                   rec.created_at, rec.error)
+
+    def same_request(self, rec: JobRecord) -> bool:
+        """Whether ``rec`` is the same request (requester, targets, parameters)."""
+        return (self.requester == rec.requester and self.targets == tuple(rec.targets)
+                and self.params == params_key(rec.params))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"id": self.id, "requester": self.requester, "targets": list(self.targets),
+                "state": self.state, "params": self.params, "created_at": self.created_at,
+                "error": self.error}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> JobRow:
+        g = _fields(msg, "job row")
+        return cls(_str(g("id"), "job.id"), _str(g("requester"), "job.requester"),
+                   _int_list(g("targets"), "job.targets"), _str(g("state"), "job.state"),
+                   _str(g("params"), "job.params"), _float(g("created_at"), "job.created_at"),
+                   _opt_str(g("error"), "job.error"))
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """Server 1's view: committed rounds T, staged uploads of round T + 1 with their reported
+    |D_j|, the last committed round, its recent jobs and the job it is running (if any)."""
+
+    T: int
+    staged: Mapping[int, int]
+    last: LastRound | None
+    jobs: tuple[JobRow, ...] = ()
+    busy: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"T": self.T, "staged": [[j, n] for j, n in self.staged.items()],
+                "last": None if self.last is None else self.last.to_wire(),
+                "jobs": [j.to_wire() for j in self.jobs], "busy": self.busy}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> PeerState:
+        g = _fields(msg, "state reply")
+        pairs = g("staged")
+        if not isinstance(pairs, list) or any(not isinstance(p, list) or len(p) != 2 for p in pairs):
+            raise ValueError("staged must be a list of [client, size] pairs")
+        staged = dict(_int_list(p, "staged pair") for p in pairs)
+        jobs = g("jobs")
+        if not isinstance(jobs, list):
+            raise ValueError("jobs must be a list")
+        last = g("last")
+        return cls(_int(g("T"), "T"), staged, None if last is None else LastRound.from_wire(last),
+                   tuple(JobRow.from_wire(j) for j in jobs), _opt_str(g("busy"), "busy"))
+
+
+# ------------------------------------------------------------------ closing a round
+@dataclass(frozen=True, eq=False)
+class CloseRound:
+    """Server 0 closes round ``round`` with these participants (sorted, unique, non-empty)
+    and their |D_j|; ``share`` is server 0's weighted share sum (int64 ring elements)."""
+
+    OP: ClassVar[str] = "close_round"
+    round: int
+    participants: tuple[int, ...]
+    sizes: tuple[int, ...]
+    share: np.ndarray = field(repr=False)
+
+    def __post_init__(self) -> None:
+        parts = list(self.participants)
+        if parts != sorted(set(parts)) or len(self.sizes) != len(parts) or not parts:
+            raise ValueError("participants must be sorted, unique, non-empty, one size each")
+
+    def sizes_by_client(self) -> dict[int, int]:
+        return dict(zip(self.participants, self.sizes))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"round": self.round, "participants": list(self.participants),
+                "sizes": list(self.sizes), "share": wire.tensor(self.share)}
+
+    @classmethod
+    def from_wire(cls, msg: Any, dim: int) -> CloseRound:
+        g = _fields(msg, "close_round")
+        return cls(_int(g("round"), "round", 1), _int_list(g("participants"), "participants"),
+                   _int_list(g("sizes"), "sizes"), _tensor(g("share"), "share", dim))
+
+
+@dataclass(frozen=True, eq=False)
+class RoundShare:
+    """Server 1's reply to :class:`CloseRound`: its share sum and the digest of the model it
+    computed (server 0 commits only if its own model has the same digest)."""
+
+    share: np.ndarray = field(repr=False)
+    model_sha256: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"share": wire.tensor(self.share), "model_sha256": self.model_sha256}
+
+    @classmethod
+    def from_wire(cls, msg: Any, dim: int) -> RoundShare:
+        g = _fields(msg, "close_round reply")
+        return cls(_tensor(g("share"), "share", dim), _str(g("model_sha256"), "model_sha256"))
+
+
+# ------------------------------------------------------------------ jobs
+@dataclass(frozen=True)
+class JobStart:
+    """Server 0 starts job ``job`` on the first ``rounds`` rounds; server 1 starts it too."""
+
+    OP: ClassVar[str] = "job_start"
+    job: str
+    rounds: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"job": self.job, "rounds": self.rounds}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> JobStart:
+        g = _fields(msg, "job_start")
+        return cls(_str(g("job"), "job"), _int(g("rounds"), "rounds"))
+
+
+@dataclass(frozen=True)
+class JobFail:
+    """Server 0 tells server 1 to fail a queued job (with the reason)."""
+
+    OP: ClassVar[str] = "job_fail"
+    job: str
+    error: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"job": self.job, "error": self.error}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> JobFail:
+        g = _fields(msg, "job_fail")
+        return cls(_str(g("job"), "job"), _str(g("error"), "error"))
+
+
+PeerRequest = GetState | CloseRound | JobStart | JobFail
+
+
+def parse_request(op: str, msg: Mapping[str, Any], dim: int) -> PeerRequest:
+    """The typed request of a control message (server 1's side); ``dim`` is the model size."""
+    if op == GetState.OP:
+        return GetState()
+    if op == CloseRound.OP:
+        return CloseRound.from_wire(msg, dim)
+    if op == JobStart.OP:
+        return JobStart.from_wire(msg)
+    if op == JobFail.OP:
+        return JobFail.from_wire(msg)
+    raise ValueError(f"unknown control op {op!r}")

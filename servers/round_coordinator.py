@@ -1,0 +1,196 @@
+"""FL rounds on shares: the open round, closing it with the other server, committing it.
+
+Server 0 leads (:meth:`RoundCoordinator.lead_forever`): each step it asks server 1 for its
+view (:class:`~servers.peer_messages.PeerState`), finishes or replays a round on which the
+two histories differ, and closes the open round once ``clients_expected`` clients reached
+*both* servers with the same |D_j| (after ``round_deadline``, ``min_clients`` suffice); a
+step with no round to close is handed to the job scheduler. Closing a round: both servers
+compute their weighted share sums (``servers.ring_aggregation``, exact on the ring) over the
+agreed participants, exchange them, publish the same M_i (checked by digest) and commit it.
+Server 1 (:meth:`RoundCoordinator.follow_close`) checks the participants against its own
+staged uploads and sizes and commits first, so after a crash of either the leader can always
+finish or replay the round (commits are idempotent).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from mpc.service_config import ServiceConfig
+
+from .crash_points import checkpoint
+from .peer_link import PeerClient, PeerUnavailable
+from .peer_messages import CloseRound, GetState, JobRow, LastRound, PeerState, RoundShare
+from .ring_aggregation import (fedavg_weights, model_digest, next_model, open_aggregate,
+                               weighted_share_sum)
+from .service_state import ServiceState
+from .share_store import ShareStore
+
+__all__ = ["RoundCoordinator"]
+
+log = logging.getLogger("starfish.server")
+
+
+class RoundCoordinator:
+    """The FL rounds of one server: leader (``peer`` given, server 0) or follower (server 1)."""
+
+    def __init__(self, cfg: ServiceConfig, store: ShareStore, state: ServiceState, *,
+                 peer: PeerClient | None, stop: threading.Event) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.state = state
+        self.peer = peer
+        self.stop_event = stop
+        self._wake = threading.Condition()
+        self._round_opened = time.monotonic()
+
+    def open_round(self) -> int | None:
+        """The round uploads go to, or None once training is over."""
+        T = self.store.num_rounds
+        return T + 1 if T < self.cfg.fl.rounds else None
+
+    def wake(self) -> None:
+        """Wake the leader now (an upload or a request arrived, or the daemon stops)."""
+        with self._wake:
+            self._wake.notify_all()
+
+    # ------------------------------------------------------------------ both roles
+    def committed_sizes(self, r: int) -> dict[int, int]:
+        meta = self.store.metadata(r).get("num_samples", {})
+        return {int(k): int(v) for k, v in meta.items()}
+
+    def _share_sum(self, r: int, parts: list[int], sizes: dict[int, int]) -> np.ndarray:
+        committed = r <= self.store.num_rounds
+        terms = []
+        for j in parts:
+            share = (self.store.update_share(r, j) if committed
+                     else self.store.staged_upload(r, j).update)
+            terms.append((sizes[j], share))
+        return weighted_share_sum(terms, self.store.dim)
+
+    def _round_model(self, r: int, a0: np.ndarray, a1: np.ndarray, sizes: dict[int, int]) -> np.ndarray:
+        total = sum(sizes.values())
+        agg = open_aggregate(a0, a1, total, self.store.precision)
+        return next_model(self.store.model(r - 1), agg, self.store.server_lr)
+
+    def _commit(self, r: int, model: np.ndarray, parts: list[int], sizes: dict[int, int]) -> bool:
+        meta = {"num_samples": {str(j): int(sizes[j]) for j in parts}}
+        done = self.store.commit_round(r, model, parts, fedavg_weights(sizes), meta)
+        self.state.forget_rounds_before(r + 1)
+        self._round_opened = time.monotonic()
+        return done
+
+    # ------------------------------------------------------------------ server 1: the follower
+    def peer_state(self, jobs: Sequence[JobRow], busy: str | None) -> PeerState:
+        """This server's view for the leader; ``jobs`` and ``busy`` come from the scheduler."""
+        T = self.store.num_rounds
+        r = T + 1
+        sizes = self.state.sizes(r)
+        staged = {j: sizes[j] for j in self.store.staged(r) if j in sizes}
+        last = None
+        if T >= 1:
+            s = self.committed_sizes(T)
+            parts = tuple(self.store.participants(T))
+            last = LastRound(T, parts, tuple(s[j] for j in parts))
+        return PeerState(T, staged, last, tuple(jobs), busy)
+
+    def follow_close(self, msg: CloseRound) -> RoundShare:
+        """Check the leader's round against this server's uploads, add, commit, answer."""
+        r, parts, given = msg.round, list(msg.participants), msg.sizes_by_client()
+        T = self.store.num_rounds
+        if r <= T:
+            if list(self.store.participants(r)) != parts or self.committed_sizes(r) != given:
+                raise ValueError(f"round {r} is committed here with other participants or sizes")
+        elif r == T + 1:
+            staged = set(self.store.staged(r))
+            mine = self.state.sizes(r)
+            missing = [j for j in parts if j not in staged]
+            if missing:
+                raise ValueError(f"clients {missing} have no staged upload for round {r} here")
+            differ = [j for j in parts if mine.get(j) != given[j]]
+            if differ:
+                raise ValueError(f"clients {differ} reported other data sizes here")
+        else:
+            raise ValueError(f"round {r} is not the open round {T + 1}")
+        a1 = self._share_sum(r, parts, given)
+        model = self._round_model(r, msg.share, a1, given)
+        if r == T + 1:
+            checkpoint("follower-before-commit")
+            self._commit(r, model, parts, given)
+            log.info("round %d committed with %d participants", r, len(parts))
+        return RoundShare(a1, model_digest(model))
+
+    # ------------------------------------------------------------------ server 0: the leader
+    def lead_forever(self, then: Callable[[PeerState], bool]) -> None:
+        """Lead until stopped; ``then(view)`` is the step's job work when no round closed
+        (it returns whether it did something)."""
+        backoff = 0.05
+        while not self.stop_event.is_set():
+            try:
+                busy = self._lead_step(then)
+                backoff = 0.05
+                if not busy:
+                    with self._wake:
+                        self._wake.wait(0.05 if self.open_round() is not None else 0.2)
+            except PeerUnavailable as exc:
+                log.info("waiting for server 1: %s", exc)
+                self.stop_event.wait(backoff)
+                backoff = min(2.0, backoff * 2)
+            except Exception:  # noqa: BLE001 - keep leading; the log has the cause
+                log.exception("leader step failed")
+                self.stop_event.wait(1.0)
+
+    def _lead_step(self, then: Callable[[PeerState], bool]) -> bool:
+        """One decision: finish/replay a round, close the open one, or ``then`` (a job)."""
+        assert self.peer is not None
+        view = PeerState.from_wire(self.peer.call(GetState()))
+        return self._lead_round(view) or then(view)
+
+    def _lead_round(self, f: PeerState) -> bool:
+        T, fT = self.store.num_rounds, f.T
+        if fT > T + 1 or fT < T - 1:
+            raise RuntimeError(f"the servers' histories diverged: T = {T} here, {fT} at server 1")
+        if fT == T + 1:   # server 1 committed the round we did not: finish it here
+            if f.last is None:
+                raise RuntimeError(f"server 1 has {fT} rounds but reports no last round")
+            self._close_round(T + 1, list(f.last.participants), f.last.sizes_by_client())
+            return True
+        if fT == T - 1:   # cannot happen with our commit order; replay for safety
+            self._close_round(T, list(self.store.participants(T)), self.committed_sizes(T))
+            return True
+        if self.open_round() is None:
+            return False
+        r = T + 1
+        mine = self.state.sizes(r)
+        theirs = f.staged
+        common = sorted(j for j in self.store.staged(r) if j in theirs and mine.get(j) == theirs[j])
+        late = time.monotonic() >= self._round_opened + self.cfg.fl.round_deadline
+        if len(common) >= self.cfg.fl.clients_expected or (late and len(common) >= self.cfg.fl.min_clients):
+            if late and len(common) < self.cfg.fl.clients_expected:
+                log.warning("round %d: deadline passed; closing with %d of %d clients", r,
+                            len(common), self.cfg.fl.clients_expected)
+            self._close_round(r, common, {j: mine[j] for j in common})
+            return True
+        if late:
+            log.warning("round %d: deadline passed with %d clients at both servers (< %d); "
+                        "waiting another %.0fs", r, len(common), self.cfg.fl.min_clients,
+                        self.cfg.fl.round_deadline)
+            self._round_opened = time.monotonic()
+        return False
+
+    def _close_round(self, r: int, parts: list[int], sizes: dict[int, int]) -> None:
+        assert self.peer is not None
+        a0 = self._share_sum(r, parts, sizes)
+        msg = CloseRound(r, tuple(parts), tuple(sizes[j] for j in parts), a0)
+        reply = RoundShare.from_wire(self.peer.call(msg), self.store.dim)
+        model = self._round_model(r, a0, reply.share, sizes)
+        if reply.model_sha256 != model_digest(model):
+            raise RuntimeError(f"round {r}: server 1 computed a different model; not committing")
+        checkpoint("leader-before-commit")
+        if self._commit(r, model, parts, sizes):
+            log.info("round %d committed with %d participants", r, len(parts))

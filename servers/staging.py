@@ -1,0 +1,116 @@
+"""Staging of client uploads for the open round T+1, until the servers commit it.
+
+Why a module of its own: during a round each client uploads its three shares to each
+server at its own time; a server must keep every upload durably the moment it
+acknowledges it (a crash must not lose an acknowledged upload), yet none of it is part of
+the history until both servers agree on the participants and commit the round
+(``ShareStore.commit_round``, which moves the agreed uploads into the round and drops the
+others). :class:`StagingArea` is that waiting room: the ``staged`` table of the catalog plus
+the upload's blob, written blob first, then one transaction.
+
+A client's retry of the identical upload is a no-op; a different upload for the same
+round is refused unless explicitly replaced. Uploads are accepted for the open round only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from . import store_validation as check
+from .store_catalog import StoreCatalog, locked
+from .store_errors import CatalogCorruptError, StagingConflictError, StagingError
+from .store_validation import ClientShares, Upload
+
+__all__ = ["StagingArea"]
+
+log = logging.getLogger("starfish.store")
+
+
+class StagingArea(StoreCatalog):
+    """The staged uploads of a store (a part of :class:`servers.share_store.ShareStore`)."""
+
+    def _staged_rows(self, i: int) -> dict[int, tuple[str, str, str]]:
+        assert self._conn is not None
+        out = {}
+        for j, u, n, d, h in self._conn.execute(
+                "SELECT client, update_ref, norm_ref, delta_ref, upload_hash FROM staged "
+                "WHERE round = ? ORDER BY client", (i,)):
+            refs = (str(u), str(n), str(d))
+            if Upload(refs).digest != h:
+                raise CatalogCorruptError(f"{self.root}: staged upload of client {j} for round "
+                                          f"{i} does not match its hash")
+            out[int(j)] = refs
+        return out
+
+    def _check_open_round(self, i: int) -> None:
+        if i <= self._T:
+            raise StagingError(f"round {i} is already committed; its uploads are closed")
+        if i != self._T + 1:
+            raise StagingError(f"round {i} is not open; the open round is {self._T + 1}")
+
+    @locked
+    def stage_upload(self, round: int, client: int, update: Any, norm: Any, delta: Any, *,
+                     replace: bool = False) -> bool:
+        """Durably stage one client's upload for the open round T+1.
+
+        Returns True when stored, False when the identical upload was already staged (a
+        client retry). A different upload from the same client raises
+        StagingConflictError unless ``replace`` is True. When this returns, the upload
+        survives a crash; a crash before it returns leaves either nothing or the whole
+        upload staged.
+        """
+        i = check.round_no(round)
+        j = check.client_id(client)
+        up = check.upload(ClientShares(update, norm, delta), f"client {j}", self._party, self._dim)
+        self._check_open_round(i)
+        old = self._staged_rows(i).get(j)
+        if old is not None:
+            if old == up.refs:
+                log.info("history store %s: repeated upload of client %d for round %d ignored",
+                         self.root, j, i)
+                return False
+            if not replace:
+                raise StagingConflictError(f"client {j} already staged a different upload for "
+                                           f"round {i} (pass replace=True to overwrite it)")
+        self.blobs.put_many(up.blobs)
+        self._checkpoint_hook("staged-blob-durable")
+        with self._txn() as c:
+            c.execute("INSERT OR REPLACE INTO staged(round, client, update_ref, norm_ref, delta_ref, "
+                      "upload_hash, staged_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                      (i, j, *up.refs, up.digest, time.time()))
+            self._checkpoint_hook("staged-in-transaction")
+        self._checkpoint_hook("staged-committed")
+        if old is not None:
+            self._remove_if_unreferenced([old[0]])
+        return True
+
+    @locked
+    def staged(self, round: int) -> tuple[int, ...]:
+        """Clients with a staged upload for ``round`` (sorted); empty once it is committed."""
+        return tuple(self._staged_rows(check.round_no(round)))
+
+    @locked
+    def staged_upload(self, round: int, client: int) -> ClientShares:
+        """The staged shares of one client (int64 arrays, seeds expanded)."""
+        i, j = check.round_no(round), check.client_id(client)
+        refs = self._staged_rows(i).get(j)
+        if refs is None:
+            raise KeyError(f"client {j} has no staged upload for round {i}")
+        where = f"staged round {i} client {j}"
+        return ClientShares(self._materialize(refs[0], (self._dim,), where + " update"),
+                            self._materialize(refs[1], (), where + " norm"),
+                            self._materialize(refs[2], (), where + " delta"))
+
+    @locked
+    def drop_staged(self, round: int, client: int | None = None) -> tuple[int, ...]:
+        """Withdraw staged uploads (one client's, or the whole round's); returns who was dropped."""
+        i = check.round_no(round)
+        rows = self._staged_rows(i)
+        gone = sorted(rows) if client is None else [j for j in rows if j == check.client_id(client)]
+        if gone:
+            with self._txn() as c:
+                c.executemany("DELETE FROM staged WHERE round = ? AND client = ?", [(i, j) for j in gone])
+            self._remove_if_unreferenced(rows[j][0] for j in gone)
+        return tuple(gone)

@@ -1,0 +1,137 @@
+"""The import graph keeps DESIGN.md's layers: bench -> servers, clients -> protocols -> mpc.
+
+Walks every import statement (module top and function bodies) of the project's packages with
+``ast`` and asserts (a) package edges only point down the layer order, with ``clients`` and
+``servers`` independent of each other, and (b) no cycle between files. A client process must
+start without the 2PC engine or server code, which a fresh interpreter checks for real.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("mpc", "protocols", "servers", "clients", "bench", "starfish")
+
+#: package -> the packages it may import (besides itself)
+ALLOWED = {
+    "mpc": set(),
+    "protocols": {"mpc"},
+    "clients": {"mpc"},
+    "servers": {"mpc", "protocols"},
+    "bench": {"mpc", "protocols", "servers", "clients"},
+    "starfish": {"mpc", "protocols", "servers", "clients", "bench"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+def _resolve(name: str, mods: dict[str, Path]) -> str | None:
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> project modules it imports (``from p import m`` names the module m)."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package
+                    for _ in range(node.level - 1):
+                        anchor = anchor.rpartition(".")[0]
+                    base = f"{anchor}.{base}" if base else anchor
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for t in targets:
+                if t.split(".")[0] in PACKAGES:
+                    r = _resolve(t, mods)
+                    if r and r != mod:
+                        graph[mod].add(r)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[v] = min(low[v], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_packages_import_only_downward():
+    bad = sorted(f"{a} -> {b}" for a, deps in import_graph().items() for b in deps
+                 if b.split(".")[0] != a.split(".")[0] and b.split(".")[0] not in ALLOWED[a.split(".")[0]])
+    assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle_between_files():
+    assert _cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    graph = import_graph()
+    graph["mpc.encoding"].add("bench.lab")
+    graph["bench.lab"].add("mpc.encoding")
+    assert any("mpc.encoding" in c and "bench.lab" in c for c in _cycles(graph))
+
+
+def test_a_client_process_loads_neither_server_code_nor_the_2pc_engine():
+    code = ("import sys, clients.simulator, clients.service_client; "
+            "print(sorted(m for m in ('servers', 'protocols', 'crypten', 'bench') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
