@@ -35,7 +35,7 @@ from torch.distributed import ReduceOp
 from mpc import bitplanes
 from mpc.crypten_compat import crypten
 
-__all__ = ["nonnegative", "and_gates"]
+__all__ = ["nonnegative", "and_gates", "open_xor", "public_less_than_shared", "plane_to_arith"]
 
 _ALL_ONES = -1  # int64 with every bit set
 
@@ -45,7 +45,7 @@ def _context():
     return comm, comm.get_rank(), crypten.mpc.get_default_provider()
 
 
-def _open_xor(t: torch.Tensor, width: int) -> torch.Tensor:
+def open_xor(t: torch.Tensor, width: int) -> torch.Tensor:
     """Open an XOR sharing of int64 words of which only the low ``width`` bits matter.
 
     Below 64 the words are squeezed to their ``width`` low bits for the exchange (XOR acts
@@ -75,7 +75,7 @@ def and_gates(x: torch.Tensor, y: torch.Tensor, width: int = 64) -> torch.Tensor
     """
     _, rank, provider = _context()
     a, b, c = (t.share for t in provider.generate_binary_triple(x.size(), y.size()))
-    opened = _open_xor(torch.stack([x ^ a, y ^ b]), width)
+    opened = open_xor(torch.stack([x ^ a, y ^ b]), width)
     d, e = opened[0], opened[1]
     z = c ^ (d & b) ^ (e & a)
     if rank == 0:
@@ -83,15 +83,24 @@ def and_gates(x: torch.Tensor, y: torch.Tensor, width: int = 64) -> torch.Tensor
     return z
 
 
-def _public_less_than_shared(c_planes: torch.Tensor, r_planes: torch.Tensor, rank: int,
-                             width: int) -> torch.Tensor:
+def public_less_than_shared(c_planes: torch.Tensor, r_planes: torch.Tensor, rank: int,
+                            width: int, low_level: int | None = None):
     """XOR share (one plane) of [c < r] for public c and shared r given as (k, words) planes,
-    plane 0 the least significant bit."""
+    plane 0 the least significant bit.
+
+    With ``low_level = L`` also the share of [c mod 2**L' < r mod 2**L'] for L' = 2**L low
+    bits, which the prefix circuit computes on the way (the lowest segment after L merges):
+    returns ``(full, low)`` then, at no extra cost.
+    """
+    low = None
     not_c = ~c_planes
     g = not_c & r_planes                    # r_i = 1 and c_i = 0: r is larger from here
     p = r_planes ^ not_c if rank == 0 else r_planes.clone()   # bits equal
     # The lowest segment's p is never used (nothing below it), so it is not computed.
+    level = 0
     while g.shape[0] > 1:
+        if low_level == level:
+            low = g[0].clone()
         k = g.shape[0]
         pairs = k // 2
         g_lo, g_hi = g[0 : 2 * pairs : 2], g[1 : 2 * pairs : 2]
@@ -106,7 +115,29 @@ def _public_less_than_shared(c_planes: torch.Tensor, r_planes: torch.Tensor, ran
             new_g = torch.cat([new_g, g[k - 1 :]])
             new_p = torch.cat([new_p, p[k - 1 :]])
         g, p = new_g, new_p
-    return g[0]
+        level += 1
+    if low_level is None:
+        return g[0]
+    if low_level == level:
+        low = g[0].clone()
+    if low is None:
+        raise ValueError(f"no segment of 2**{low_level} bits in a {c_planes.shape[0]}-bit comparison")
+    return g[0], low
+
+
+def plane_to_arith(plane: torch.Tensor, n: int, width: int) -> torch.Tensor:
+    """This party's ring share of the n bits XOR-shared in ``plane`` (one plane, (words,)).
+
+    One round: open e = b XOR s for a random bit s shared both ways (a 1-bit edabit), then
+    b = e + s - 2 e s, local since e is public. Opens e only (uniform).
+    """
+    _, rank, provider = _context()
+    s, s_plane = provider.edabits((n,), 1)
+    e = bitplanes.from_planes(open_xor(plane ^ s_plane[0], width).unsqueeze(0), n)
+    bit = s * (1 - 2 * e)
+    if rank == 0:
+        bit += e
+    return bit
 
 
 def nonnegative(x):
@@ -124,13 +155,9 @@ def nonnegative(x):
     c = comm.all_reduce(flat + r)
     c_planes = bitplanes.to_planes(c)
     width = min(n, 64)  # meaningful bits per plane word
-    borrow = _public_less_than_shared(c_planes[:63], r_planes[:63], rank, width)
+    borrow = public_less_than_shared(c_planes[:63], r_planes[:63], rank, width)
     msb = borrow ^ r_planes[63]
     if rank == 0:
         msb ^= c_planes[63] ^ _ALL_ONES  # public top bit of c, and NOT (nonnegative = not msb)
-    s, s_plane = provider.edabits((n,), 1)
-    e = bitplanes.from_planes(_open_xor(msb ^ s_plane[0], width).unsqueeze(0), n)
-    bit = s * (1 - 2 * e)
-    if rank == 0:
-        bit += e
+    bit = plane_to_arith(msb, n, width)
     return crypten.mpc.MPCTensor.from_shares(bit.reshape(shape), precision=0)

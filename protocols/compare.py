@@ -64,9 +64,19 @@ def ge(x: Tensor, y: Tensor) -> Tensor:
 
 
 def _cross_products(u1: Tensor, v1: Tensor, u2: Tensor, v2: Tensor) -> tuple[Tensor, Tensor]:
-    """Untruncated ``u1*v2`` and ``u2*v1``, batched into one Beaver round when possible."""
+    """Untruncated ``u1*v2`` and ``u2*v1``, batched into one Beaver round when possible.
+
+    Both come back in the same representation: plain float64 products when every factor is
+    public, otherwise two raw sharings (ring ``x_enc * y_enc``). A product of two public
+    factors next to a shared one is made a sharing too (a public sharing of the first factor,
+    no communication), so that the comparison never mixes a raw ring product with a real one.
+    """
     if not B.any_shared(u1, v1, u2, v2):
         return B.raw_mul(u1, v2), B.raw_mul(u2, v1)
+    if not B.any_shared(u1, v2):
+        u1 = B.share_public(u1)
+    if not B.any_shared(u2, v1):
+        u2 = B.share_public(u2)
     shape = torch.broadcast_shapes(*(tuple(t.shape) for t in (u1, v1, u2, v2)))
     lhs = [u1, u2]
     rhs = [v2, v1]

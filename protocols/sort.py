@@ -222,6 +222,11 @@ def top_k(keys: Keys, payloads: Any, k: int, descending: bool = True,
     else:
         pay_in = payloads
     pay_t = _as_tuple(pay_in)
+    if k == 0:
+        # nothing to open: no sort, no communication (an empty opening is not a message)
+        empty = [torch.zeros(*p.shape[:-1], 0, dtype=torch.float64 if B.is_shared(p) else p.dtype)
+                 for p in pay_t]
+        return tuple(empty) if isinstance(pay_in, (tuple, list)) else empty[0]
     _, sorted_pay = bitonic_sort(keys, pay_in, descending=descending, comparator=comparator,
                                  stable=stable)
     sp = _as_tuple(sorted_pay)
