@@ -31,7 +31,8 @@ from .crash_points import checkpoint
 from .job_scheduler import JobScheduler
 from .round_coordinator import RoundCoordinator
 from .service_state import ServiceState
-from .share_store import JobError, JobRecord, ShareStore, StagingConflictError, StagingError
+from .job_records import JobRecord, JobState
+from .share_store import JobError, ShareStore, StagingConflictError, StagingError
 from .unlearning_jobs import read_result
 
 __all__ = ["ClientAPI"]
@@ -274,7 +275,7 @@ class ClientAPI:
         if not self._may_see(who, rec):
             raise wire.WireError("unauthorized", f"{who} may not read job {rec.id}")
         out = self._job_dict(rec)
-        if rec.state == "done" and rec.result_path:
+        if rec.state == JobState.DONE and rec.result_path:
             summary, model = read_result(rec.result_path)
             out["result"] = {k: summary[k] for k in RESULT_FIELDS if k in summary}
             if f.get("with_model"):

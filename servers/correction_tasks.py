@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
+from mpc import wire
 from mpc.channel import KIND_OBJECT
 from mpc.prg import expand
 
-from mpc import wire
 from .ring_aggregation import model_digest
 
 __all__ = ["Task", "TaskBoard", "ServiceCorrectionClients", "CorrectionTimeout", "LockstepError"]

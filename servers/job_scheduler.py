@@ -26,16 +26,17 @@ from mpc.channel import ChannelError
 from mpc.service_config import ServiceConfig
 
 from .correction_tasks import TaskBoard
+from .job_records import FINISHED, JobRecord, JobState
 from .peer_link import PeerClient, PeerRefused
 from .peer_messages import MAX_JOB_ROWS, JobFail, JobRow, JobStart, PeerState
-from .share_store import JobRecord, ShareStore
+from .share_store import ShareStore
 from .unlearning_jobs import job_params, run_job
 
-__all__ = ["JobScheduler", "MAX_JOB_ATTEMPTS", "FINISHED"]
+__all__ = ["JobScheduler", "MAX_JOB_ATTEMPTS"]
 
 log = logging.getLogger("starfish.server")
 
-FINISHED = ("done", "failed", "cancelled")
+#: Runs of a job whose 2PC session was lost before it fails for good.
 MAX_JOB_ATTEMPTS = 3
 
 
@@ -65,9 +66,9 @@ class JobScheduler:
 
     def requeue_interrupted(self) -> None:
         """Re-queue the jobs that were running when the server stopped (at start-up)."""
-        for rec in self.store.jobs("running"):
+        for rec in self.store.jobs(JobState.RUNNING):
             log.warning("job %s was running when the server stopped; re-queued", rec.id)
-            self.store.update_job(rec.id, state="queued")
+            self.store.update_job(rec.id, state=JobState.QUEUED)
 
     def submit(self, requester: str, targets: Iterable[int], job_id: str) -> JobRecord:
         """Record a request as a queued job (idempotent for a replayed request)."""
@@ -98,25 +99,26 @@ class JobScheduler:
         agree = self.cfg.unlearning.agree_timeout
         for jid, o in theirs.items():   # requests that reached server 1 only, or ended here
             m = mine.get(jid)
-            if o.state == "queued" and ((m is None and now - o.created_at > agree)
-                                        or (m is not None and m.state in FINISHED)):
+            if o.state == JobState.QUEUED and ((m is None and now - o.created_at > agree)
+                                               or (m is not None and m.state in FINISHED)):
                 reason = ("the request reached server 1 only" if m is None
                           else f"server 0 has the job {m.state}: {m.error or ''}")
                 self.peer.call(JobFail(jid, reason))
         for jid, m in mine.items():
-            if m.state != "queued":
+            if m.state != JobState.QUEUED:
                 continue
             o = theirs.get(jid)
             if o is None:
                 if now - m.created_at > agree:
-                    self.store.update_job(jid, state="failed", error="the request reached server 0 only")
+                    self.store.update_job(jid, state=JobState.FAILED,
+                                          error="the request reached server 0 only")
                 continue
             if not o.same_request(m):
-                self.store.update_job(jid, state="failed", error="the servers hold different requests")
+                self.store.update_job(jid, state=JobState.FAILED, error="the servers hold different requests")
                 self.peer.call(JobFail(jid, "the servers hold different requests"))
-            elif o.state in ("failed", "cancelled"):
-                self.store.update_job(jid, state="failed", error=f"server 1: {o.error or o.state}")
-            elif o.state == "queued" and their_busy is None:
+            elif o.state in (JobState.FAILED, JobState.CANCELLED):
+                self.store.update_job(jid, state=JobState.FAILED, error=f"server 1: {o.error or o.state}")
+            elif o.state == JobState.QUEUED and their_busy is None:
                 return m
         return None
 
@@ -136,12 +138,12 @@ class JobScheduler:
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError(f"busy with job {self._running}")
         rec = self.store.job(jid)
-        if rec.state != "queued":
+        if rec.state != JobState.QUEUED:
             raise RuntimeError(f"job {jid} is {rec.state} here")
         if self.store.num_rounds < rounds:
             raise RuntimeError(f"job {jid} needs {rounds} rounds, this server has {self.store.num_rounds}")
         self._running = jid
-        self.store.update_job(jid, state="running", progress=0.0)
+        self.store.update_job(jid, state=JobState.RUNNING, progress=0.0)
         self._thread = threading.Thread(target=self._execute, args=(rec, rounds),
                                         name=f"job-{jid}", daemon=True)
         self._thread.start()
@@ -150,7 +152,7 @@ class JobScheduler:
         """Fail a job the leader failed, unless it already ended or runs here."""
         rec = self.store.job(msg.job)
         if rec.state not in FINISHED and rec.id != self._running:
-            self.store.update_job(rec.id, state="failed", error=msg.error[:2000])
+            self.store.update_job(rec.id, state=JobState.FAILED, error=msg.error[:2000])
 
     # ------------------------------------------------------------------ both roles
     def _progress(self, jid: str, fraction: float) -> None:
@@ -162,8 +164,8 @@ class JobScheduler:
     def _execute(self, rec: JobRecord, rounds: int) -> None:
         jid = rec.id
         self._running = jid
-        if self.store.job(jid).state != "running":
-            self.store.update_job(jid, state="running", progress=0.0)
+        if self.store.job(jid).state != JobState.RUNNING:
+            self.store.update_job(jid, state=JobState.RUNNING, progress=0.0)
         log.info("job %s: unlearning %s from %d rounds (2PC)", jid, list(rec.targets), rounds)
         try:
             path = run_job(rank=self.party, cfg=self.cfg, store=self.store, board=self.board,
@@ -171,17 +173,17 @@ class JobScheduler:
                            results_dir=self.results_dir, mpc_listener=self.mpc_listener,
                            stop=self.stop_event,
                            progress=lambda fr, info: self._progress(jid, fr))
-            self.store.update_job(jid, state="done", progress=1.0, result_path=path)
+            self.store.update_job(jid, state=JobState.DONE, progress=1.0, result_path=path)
             log.info("job %s done: %s", jid, path)
         except (ChannelError, ConnectionError, TimeoutError) as exc:
             n = self._attempts[jid] = self._attempts.get(jid, 0) + 1
             if n < MAX_JOB_ATTEMPTS and not self.stop_event.is_set():
                 log.warning("job %s: session lost (%s); re-queued (attempt %d)", jid, exc, n)
-                self.store.update_job(jid, state="queued")
+                self.store.update_job(jid, state=JobState.QUEUED)
             else:
-                self.store.update_job(jid, state="failed", error=f"{type(exc).__name__}: {exc}")
+                self.store.update_job(jid, state=JobState.FAILED, error=f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # noqa: BLE001 - recorded in the job
             log.exception("job %s failed", jid)
-            self.store.update_job(jid, state="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+            self.store.update_job(jid, state=JobState.FAILED, error=f"{type(exc).__name__}: {exc}"[:2000])
         finally:
             self._running = None

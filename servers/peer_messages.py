@@ -31,11 +31,13 @@ import numpy as np
 
 from mpc import wire
 
+from .job_records import JobState
+
 if TYPE_CHECKING:  # pragma: no cover
-    from .share_store import JobRecord
+    from .job_records import JobRecord
 
 __all__ = ["GetState", "PeerState", "LastRound", "JobRow", "CloseRound", "RoundShare", "JobStart",
-           "JobFail", "PeerRequest", "parse_request", "params_key"]
+           "JobFail", "PeerRequest", "parse_request", "params_key", "MAX_JOB_ROWS"]
 
 #: Server 1 reports at most this many of its most recent jobs.
 MAX_JOB_ROWS = 1000
@@ -87,8 +89,17 @@ def _tensor(v: Any, what: str, dim: int) -> np.ndarray:
         raise ValueError(f"{what} must be a tensor map")
     try:
         return wire.decode_tensor(v, what, ("<i8",), (dim,))
-    except (KeyError, wire.WireError) as exc:
-        raise ValueError(f"{what}: {getattr(exc, 'message', exc)}") from exc
+    except KeyError as exc:
+        raise ValueError(f"{what}: tensor map without field {exc}") from None
+    except wire.WireError as exc:
+        raise ValueError(exc.message) from None
+
+
+def _job_state(v: Any) -> JobState:
+    try:
+        return JobState(_str(v, "job.state"))
+    except ValueError:
+        raise ValueError(f"job.state must be one of {[s.value for s in JobState]}, got {v!r}") from None
 
 
 def params_key(params: Mapping[str, Any]) -> str:
@@ -139,14 +150,14 @@ class JobRow:
     id: str
     requester: str
     targets: tuple[int, ...]
-    state: str
+    state: JobState
     params: str              # params_key() of the job's public parameters
     created_at: float
     error: str | None
 
     @classmethod
     def of(cls, rec: JobRecord) -> JobRow:
-        return cls(rec.id, rec.requester, tuple(rec.targets), str(rec.state), params_key(rec.params),
+        return cls(rec.id, rec.requester, tuple(rec.targets), JobState(rec.state), params_key(rec.params),
                    rec.created_at, rec.error)
 
     def same_request(self, rec: JobRecord) -> bool:
@@ -156,14 +167,14 @@ class JobRow:
 
     def to_wire(self) -> dict[str, Any]:
         return {"id": self.id, "requester": self.requester, "targets": list(self.targets),
-                "state": self.state, "params": self.params, "created_at": self.created_at,
+                "state": self.state.value, "params": self.params, "created_at": self.created_at,
                 "error": self.error}
 
     @classmethod
     def from_wire(cls, msg: Any) -> JobRow:
         g = _fields(msg, "job row")
         return cls(_str(g("id"), "job.id"), _str(g("requester"), "job.requester"),
-                   _int_list(g("targets"), "job.targets"), _str(g("state"), "job.state"),
+                   _int_list(g("targets"), "job.targets"), _job_state(g("state")),
                    _str(g("params"), "job.params"), _float(g("created_at"), "job.created_at"),
                    _opt_str(g("error"), "job.error"))
 

@@ -57,6 +57,7 @@ class ServerDaemon:
         self.name = tls.PARTY_NAMES[party]
         self.data_dir = cfg.data_dir(party)
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        api_ctx = tls.server_context(tls.identity(cfg.keys_dir, self.name))
         self.store = ShareStore(self.data_dir / "store", party=party,
                                 initial_model=initial_model(cfg.model),
                                 server_lr=cfg.fl.server_lr, precision=cfg.fl.precision)
@@ -78,7 +79,6 @@ class ServerDaemon:
         self.jobs = JobScheduler(cfg, party, self.store, self.board, results_dir=self.data_dir / "results",
                                  mpc_listener=self._mpc_listener, peer=self.peer, stop=self.stop_event)
         self.jobs.requeue_interrupted()
-        api_ctx = tls.server_context(tls.identity(cfg.keys_dir, self.name))
         self.api = ClientAPI(cfg, party, self._api_listener, api_ctx, store=self.store, state=self.state,
                              board=self.board, rounds=self.rounds, jobs=self.jobs, stop=self.stop_event)
         log.info("%s: history with %d committed rounds, %d staged uploads for round %d",

@@ -13,8 +13,8 @@ but the pin makes that independent of scheduling) would not change what Stage II
 
 from __future__ import annotations
 
+import io
 import json
-import logging
 import os
 import socket
 import threading
@@ -24,20 +24,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
+from mpc import wire
 from mpc.channel import KIND_OBJECT
+from mpc.service_config import ServiceConfig
+from mpc.session import open_party
 from protocols.starfish.params import StarfishParams
 from protocols.starfish.stage2 import run_stage2
 
-from mpc import wire
 from .correction_tasks import LockstepError, ServiceCorrectionClients, TaskBoard
 from .ring_aggregation import model_digest
 from .share_history import ShareHistory
-from mpc.service_config import ServiceConfig
+from .share_store import ShareStore
 
-__all__ = ["run_job", "starfish_params", "write_result", "read_result"]
-
-log = logging.getLogger("starfish.jobs")
+__all__ = ["run_job", "starfish_params", "job_params", "write_result", "read_result"]
 
 
 def starfish_params(cfg: ServiceConfig) -> StarfishParams:
@@ -72,8 +73,6 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def write_result(results_dir: Path, job: str, model: np.ndarray, summary: dict[str, Any]) -> Path:
     """``<job>.npy`` (the public unlearned model) and ``<job>.json``; returns the JSON path."""
     results_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    import io  # noqa: PLC0415
-
     buf = io.BytesIO()
     np.save(buf, np.asarray(model, dtype=np.float64))
     _atomic_write(results_dir / f"{job}.npy", buf.getvalue())
@@ -89,16 +88,11 @@ def read_result(json_path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.n
     return summary, model
 
 
-def run_job(*, rank: int, cfg: ServiceConfig, store: Any, board: TaskBoard, job_id: str,
+def run_job(*, rank: int, cfg: ServiceConfig, store: ShareStore, board: TaskBoard, job_id: str,
             targets: list[int], rounds: int, results_dir: Path,
             mpc_listener: socket.socket | None, stop: threading.Event,
             progress: Callable[[float, str], None] | None = None) -> Path:
     """Open the 2PC session, run Stage II on this party's shares, write and return the result."""
-    import torch  # noqa: PLC0415
-
-    from mpc.session import open_party  # noqa: PLC0415 - loads CrypTen
-
-
     timeout = max(cfg.unlearning.session_timeout, cfg.unlearning.correction_timeout + 60.0)
     t0 = time.perf_counter()
     party = open_party(

@@ -1,7 +1,7 @@
 """SIGKILL a server during an upload and during aggregation; restart it; training resumes.
 
 The servers kill themselves at named points of their write path (``STARFISH_CRASH_AT``,
-see ``servers/server_daemon.py``), so each crash hits exactly the moment it is meant to:
+see ``servers/crash_points.py``), so each crash hits exactly the moment it is meant to:
 
 * server 1 inside the SQLite transaction that stages a client's upload (an upload in
   flight: the client sees its connection die and retries after the restart);

@@ -1,10 +1,13 @@
-"""The servers' durable history store (servers.share_store), each property against an oracle.
+"""The servers' durable history store (servers.share_store and the catalog, validation and
+staging it is built from), each property against an oracle.
 
 Oracles: the values the test itself wrote (kept in dicts), the client-side sharing in
 ``mpc.sharing`` (two stores' shares must add up to the client's encoding), a deterministic
 generator that both a SIGKILLed writer process and the checker call (a reopened store
 must hold exactly a prefix of what the writer intended), byte-level file edits (a flipped
-byte must be caught), and a CrypTen two-party session that reads both stores.
+byte must be caught) and a fresh interpreter (the store loads no torch). Staging, job
+records and the History adapter have their own files (test_staging, test_job_records,
+test_share_history).
 
 This file is also the crash-test writer: ``python tests/test_share_store.py writer ...``
 (run as a subprocess so that it can be killed with SIGKILL).
@@ -34,23 +37,7 @@ from mpc import encoding, prg, sharing  # noqa: E402
 from servers import blobs as blobs_mod  # noqa: E402
 from servers import share_store as ss  # noqa: E402
 from servers.share_store import ClientShares, ShareStore  # noqa: E402
-
-I64 = np.iinfo(np.int64)
-
-
-def ring(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    return rng.integers(I64.min, I64.max, size=shape, dtype=np.int64, endpoint=True)
-
-
-def expected_share(value: Any, shape: tuple[int, ...]) -> np.ndarray:
-    """The oracle's view of a share: a seed expands with the client's PRG, else the array."""
-    if isinstance(value, bytes):
-        return prg.expand(value, shape)
-    return np.asarray(value, dtype=np.int64).reshape(shape)
-
-
-def blob_files(root: Path) -> list[Path]:
-    return sorted((root / "blobs").iterdir())
+from store_helpers import DIM, blob_files, expected_share, new_store, ring, uploads  # noqa: E402
 
 
 # ====================================================================== deterministic workload
@@ -314,25 +301,18 @@ def test_kill_at_random_moments_loses_nothing_committed(tmp_path):
 
 
 # ====================================================================== round trips
-DIM = 257
-
-
-def _new_store(root: Path, party: int, m0: np.ndarray | None = None) -> ShareStore:
-    m0 = np.linspace(-1, 1, DIM, dtype=np.float32) if m0 is None else m0
-    return ShareStore(root, party=party, initial_model=m0, server_lr=0.25)
-
-
 def test_round_trip_of_several_rounds_survives_reopen(tmp_path):
     import torch
 
     from protocols.starfish.ports import History
+    from servers.share_history import ShareHistory
 
     rng = np.random.default_rng(1)
     for party in (0, 1):
         root = tmp_path / f"p{party}"
         m0 = rng.standard_normal(DIM).astype(np.float32)
         want: dict[int, dict[str, Any]] = {}
-        with _new_store(root, party, m0) as store:
+        with new_store(root, party, m0) as store:
             for r in range(1, 5):
                 parts = sorted(int(c) for c in rng.choice(7, size=3 + r % 2, replace=False))
                 w = rng.random(len(parts)) + 0.05
@@ -390,8 +370,8 @@ def test_round_trip_of_several_rounds_survives_reopen(tmp_path):
             with pytest.raises(IndexError):
                 store.model(5)
 
-            hist = store.history()
-            assert isinstance(hist, History) and hist.holds_shares and hist.num_rounds == 4
+            hist = ShareHistory(store)
+            assert isinstance(hist, History) and hist.num_rounds == 4
             assert hist.server_lr == 0.25
             assert torch.equal(hist.model(1), torch.from_numpy(want[1]["model"]))
             assert torch.equal(hist.model_delta(2), torch.from_numpy(want[2]["model"] - want[1]["model"]))
@@ -401,33 +381,8 @@ def test_round_trip_of_several_rounds_survives_reopen(tmp_path):
             assert hist.clients() == tuple(sorted({c for e in want.values() for c in e["parts"]}))
             assert hist.num_samples(c0) == want[1]["weights"][c0]
             calls = []
-            wrapped = store.history(wrap=lambda s, precision: calls.append(precision) or ("wrapped", s))
+            wrapped = ShareHistory(store, wrap=lambda s, precision: calls.append(precision) or ("wrapped", s))
             assert wrapped.update(1, c0)[0] == "wrapped" and calls == [16]
-
-
-def test_history_append_round_detects_replay_only_with_a_round_index(tmp_path):
-    import torch
-
-    from protocols.starfish.ports import RoundRecord
-
-    rng = np.random.default_rng(2)
-    with _new_store(tmp_path / "s", 1) as store:
-        hist = store.history()
-        rec = RoundRecord(model=torch.zeros(DIM), participants=(1, 2), weights={1: 0.5, 2: 0.5},
-                          updates={1: ring(rng, (DIM,)), 2: ring(rng, (DIM,))},
-                          norms={1: ring(rng, ()), 2: ring(rng, ())},
-                          deltas={1: ring(rng, ()), 2: ring(rng, ())})
-        hist.append_round(rec)
-        hist.append_round(rec, round_index=1)  # replay: no-op
-        assert hist.num_rounds == 1
-        with pytest.raises(ss.RoundConflictError):
-            hist.append_round(RoundRecord(torch.ones(DIM), rec.participants, rec.weights,
-                                          rec.updates, rec.norms, rec.deltas), round_index=1)
-        plain = RoundRecord(torch.zeros(DIM), (1,), {1: 1.0}, {1: torch.randn(DIM)},
-                            {1: torch.tensor(2.0)}, {1: torch.tensor(0.1)})
-        with pytest.raises(TypeError, match="int64"):  # a plaintext record is refused
-            hist.append_round(plain)
-        assert hist.num_rounds == 1
 
 
 # ====================================================================== reconstruction
@@ -435,7 +390,7 @@ def test_two_parties_stores_give_back_the_clients_values(tmp_path):
     rng = np.random.default_rng(3)
     clients = [0, 1, 2]
     plain: dict[tuple[int, int], tuple[np.ndarray, float, float]] = {}
-    stores = [_new_store(tmp_path / "p0", 0), _new_store(tmp_path / "p1", 1)]
+    stores = [new_store(tmp_path / "p0", 0), new_store(tmp_path / "p1", 1)]
     for r in (1, 2, 3):
         per_party: list[dict[int, ClientShares]] = [{}, {}]
         for c in clients:
@@ -466,56 +421,12 @@ def test_two_parties_stores_give_back_the_clients_values(tmp_path):
         s1.close()
 
 
-def _party_reads_store(party, roots, client):
-    """Two-party program: each party opens its own store and computes on wrapped shares."""
-    store = ShareStore(roots[party.rank], party=party.rank)
-    try:
-        hist = store.history(wrap=party.wrap_share)
-        out = []
-        for i in range(1, hist.num_rounds + 1):
-            g = hist.update(i, client)
-            dm = hist.model_delta(i).double()
-            u = (g * dm).sum()  # <[g_i], M_i - M_{i-1}>: a public factor, local
-            out.append((g.get_plain_text().double().numpy(), float(u.get_plain_text()),
-                        float(hist.norm(i, client).get_plain_text())))
-        return out
-    finally:
-        store.close()
-
-
-def test_a_two_party_session_computes_on_the_stored_shares(tmp_path):
-    from mpc import run_parties
-
-    rng = np.random.default_rng(4)
-    roots = [str(tmp_path / "p0"), str(tmp_path / "p1")]
-    stores = [_new_store(Path(roots[0]), 0), _new_store(Path(roots[1]), 1)]
-    xs, models = [], [stores[0].model(0)]
-    for r in (1, 2):
-        x = rng.normal(size=DIM)
-        sx, sn = sharing.share(x, compress=True), sharing.share(np.float64(np.linalg.norm(x)))
-        z = sharing.share(np.float64(0.5))
-        model = models[-1] - np.float32(0.1) * x.astype(np.float32)
-        stores[0].append_round(r, model, [7], {7: 1.0}, {7: ClientShares(sx.seed0, sn.share0, z.share0)})
-        stores[1].append_round(r, model, [7], {7: 1.0}, {7: ClientShares(sx.share1, sn.share1, z.share1)})
-        xs.append(x)
-        models.append(model)
-    for s in stores:
-        s.close()
-    res = run_parties(_party_reads_store, roots, 7, provider="tfp", timeout=60)
-    for values in res.values:
-        for (g, u, n), x, m_prev, m in zip(values, xs, models, models[1:]):
-            assert np.max(np.abs(g - x)) <= 1e-3
-            expect_u = float(x @ (m.astype(np.float64) - m_prev.astype(np.float64)))
-            assert abs(u - expect_u) <= 1e-2 * max(1.0, abs(expect_u))
-            assert abs(n - np.linalg.norm(x)) <= 1e-3
-
-
 # ====================================================================== corruption
 def test_a_flipped_byte_is_detected_and_names_the_file(tmp_path):
     root = tmp_path / "s"
     rng = np.random.default_rng(5)
     share = ring(rng, (DIM,))
-    with _new_store(root, 1) as store:
+    with new_store(root, 1) as store:
         store.append_round(1, np.ones(DIM, np.float32), [4], {4: 1.0},
                            {4: ClientShares(share, ring(rng, ()), ring(rng, ()))})
     files = blob_files(root)
@@ -560,17 +471,13 @@ def test_a_flipped_byte_is_detected_and_names_the_file(tmp_path):
 
 
 # ====================================================================== replay
-def _uploads(rng: np.random.Generator, clients: list[int]) -> dict[int, ClientShares]:
-    return {c: ClientShares(ring(rng, (DIM,)), ring(rng, ()), ring(rng, ())) for c in clients}
-
-
 def test_replays_are_idempotent_and_conflicts_are_refused(tmp_path):
     rng = np.random.default_rng(6)
     root = tmp_path / "s"
     model1 = rng.standard_normal(DIM).astype(np.float32)
-    ups = _uploads(rng, [1, 2])
+    ups = uploads(rng, [1, 2])
     w = {1: 0.25, 2: 0.75}
-    with _new_store(root, 0) as store:
+    with new_store(root, 0) as store:
         assert store.append_round(1, model1, [1, 2], w, ups, {"cfg": "x"}) is True
         files = blob_files(root)
         assert store.append_round(1, model1.copy(), (2, 1), dict(w), dict(ups), {"cfg": "x"}) is False
@@ -590,32 +497,8 @@ def test_replays_are_idempotent_and_conflicts_are_refused(tmp_path):
             store.append_round(3, model1, [1, 2], w, ups)
         assert blob_files(root) == files, "a refused write left files behind"
 
-        # staging: a client's retry is a no-op, a different upload a conflict
-        up3 = _uploads(rng, [3])[3]
-        assert store.stage_upload(2, 3, up3.update, up3.norm, up3.delta) is True
-        assert store.stage_upload(2, 3, up3.update.copy(), up3.norm, up3.delta) is False
-        new3 = ClientShares(ring(rng, (DIM,)), up3.norm, up3.delta)
-        with pytest.raises(ss.StagingConflictError):
-            store.stage_upload(2, 3, *[new3.update, new3.norm, new3.delta])
-        assert np.array_equal(store.staged_upload(2, 3).update, up3.update)
-        assert store.stage_upload(2, 3, new3.update, new3.norm, new3.delta, replace=True) is True
-        assert np.array_equal(store.staged_upload(2, 3).update, new3.update)
-        with pytest.raises(ss.StagingError, match="already committed"):
-            store.stage_upload(1, 3, *new3.__dict__.values())
-        with pytest.raises(ss.StagingError, match="not open"):
-            store.stage_upload(3, 3, *new3.__dict__.values())
-        # commit needs every agreed participant's upload, and changes nothing otherwise
-        model2 = rng.standard_normal(DIM).astype(np.float32)
-        with pytest.raises(ss.StagingError, match=r"\[4\] have no staged upload"):
-            store.commit_round(2, model2, [3, 4], {3: 0.5, 4: 0.5})
-        assert store.num_rounds == 1 and store.staged(2) == (3,)
-        assert store.commit_round(2, model2, [3], {3: 1.0}) is True
-        assert store.commit_round(2, model2, [3], {3: 1.0}) is False  # replay after a crash
-        with pytest.raises(ss.RoundConflictError, match="participants"):
-            store.commit_round(2, model2, [3, 5], {3: 0.5, 5: 0.5})
-        assert np.array_equal(store.update_share(2, 3), new3.update)
     with ShareStore(root, party=0) as store:
-        assert store.num_rounds == 2 and store.recovered_files == ()
+        assert store.num_rounds == 1 and store.recovered_files == ()
 
 
 # ====================================================================== bad input
@@ -631,12 +514,12 @@ def test_bad_input_raises_and_changes_nothing(tmp_path):
 
     rng = np.random.default_rng(7)
     root = tmp_path / "s"
-    good = _uploads(rng, [1, 2])
+    good = uploads(rng, [1, 2])
     model = rng.standard_normal(DIM).astype(np.float32)
     w = {1: 0.5, 2: 0.5}
     nan_model = model.copy()
     nan_model[3] = np.nan
-    store = _new_store(root, 0)
+    store = new_store(root, 0)
     store.append_round(1, model, [1, 2], w, good)
     store.stage_upload(2, 1, *good[1].__dict__.values())
     before = _snapshot(store, root)
@@ -688,7 +571,7 @@ def test_bad_input_raises_and_changes_nothing(tmp_path):
     assert _snapshot(store, root) == before
     store.close()
 
-    p1 = _new_store(tmp_path / "p1", 1)
+    p1 = new_store(tmp_path / "p1", 1)
     with pytest.raises(ValueError, match="only party 0"):
         p1.stage_upload(1, 1, prg.new_seed(), good[1].norm, good[1].delta)
     assert p1.staged(1) == ()
@@ -701,7 +584,7 @@ def test_open_close_and_locking(tmp_path):
         ShareStore(root, party=0)
     with pytest.raises(ValueError, match="NaN"):
         ShareStore(root, party=0, initial_model=np.full(DIM, np.nan), server_lr=0.1)
-    store = _new_store(root, 0)
+    store = new_store(root, 0)
     with pytest.raises(ss.StoreLockedError):
         ShareStore(root, party=0)
     store.close()
@@ -732,35 +615,12 @@ def test_open_close_and_locking(tmp_path):
     assert not stray.exists() and unknown.exists()  # never delete what it does not understand
 
 
-# ====================================================================== unlearning jobs
-def test_unlearning_jobs_survive_reopen_and_follow_their_state_machine(tmp_path):
-    root = tmp_path / "s"
-    with _new_store(root, 0) as store:
-        job = store.create_job("client-3", [3], job_id="job-1", params={"sigma": 0.6})
-        assert job.state == "queued" and job.progress == 0.0 and job.targets == (3,)
-        assert store.create_job("client-3", [3], job_id="job-1", params={"sigma": 0.6}) == job
-        with pytest.raises(ss.JobError, match="different request"):
-            store.create_job("client-3", [3, 4], job_id="job-1")
-        other = store.create_job("admin", [5, 1])
-        assert other.targets == (1, 5) and len(other.id) == 16
-        store.update_job("job-1", state="running", progress=0.4)
-        with pytest.raises(ss.JobError, match="cannot go from running to bogus|unknown"):
-            store.update_job("job-1", state="bogus")
-        with pytest.raises(ss.JobError, match="progress"):
-            store.update_job("job-1", progress=1.5)
-        with pytest.raises(ss.JobError, match="cannot go from queued to done"):
-            store.update_job(other.id, state="done")
-        with pytest.raises(KeyError):
-            store.update_job("nope", state="running")
-    with ShareStore(root, party=0) as store:  # a restarted daemon finds the interrupted job
-        running = store.jobs("running")
-        assert [j.id for j in running] == ["job-1"] and running[0].progress == 0.4
-        assert dict(running[0].params) == {"sigma": 0.6} and running[0].requester == "client-3"
-        done = store.update_job("job-1", state="done", progress=1.0, result_path=tmp_path / "m.pt")
-        assert done.result_path == str(tmp_path / "m.pt")
-        with pytest.raises(ss.JobError, match="finished"):
-            store.update_job("job-1", progress=0.5)
-        assert [j.id for j in store.jobs()] == ["job-1", other.id]
+def test_the_store_imports_neither_torch_nor_crypten():
+    code = ("import sys, servers.share_store; "
+            "print(sorted(m for m in ('torch', 'crypten') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "writer":
