@@ -28,6 +28,8 @@ import os
 import socket
 import threading
 
+import numpy as np
+
 from mpc import tls
 from mpc.channel import listen
 from mpc.service_config import ServiceConfig
@@ -35,7 +37,6 @@ from mpc.service_config import ServiceConfig
 from .client_api import ClientAPI
 from .correction_tasks import TaskBoard
 from .crash_points import checkpoint, install_crash_points
-from .initial_model import initial_model
 from .job_scheduler import JobScheduler
 from .peer_link import PeerClient, PeerServer
 from .peer_messages import CloseRound, GetState, JobFail, JobStart, parse_request
@@ -51,7 +52,9 @@ log = logging.getLogger("starfish.server")
 class ServerDaemon:
     """One server process; ``serve_forever()`` until ``stop()`` (or SIGTERM in the CLI)."""
 
-    def __init__(self, cfg: ServiceConfig, party: int) -> None:
+    def __init__(self, cfg: ServiceConfig, party: int, initial_model: np.ndarray) -> None:
+        """``initial_model``: M_0 as drawn from ``cfg.model`` (``clients.initial_model``); a
+        restarted server must pass the same one (its store refuses another)."""
         self.cfg = cfg
         self.party = party
         self.name = tls.PARTY_NAMES[party]
@@ -59,7 +62,7 @@ class ServerDaemon:
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         api_ctx = tls.server_context(tls.identity(cfg.keys_dir, self.name))
         self.store = ShareStore(self.data_dir / "store", party=party,
-                                initial_model=initial_model(cfg.model),
+                                initial_model=initial_model,
                                 server_lr=cfg.fl.server_lr, precision=cfg.fl.precision)
         self.state = ServiceState(self.data_dir / "service.sqlite3")
         self.board = TaskBoard()

@@ -51,11 +51,12 @@ def cmd_server(args: argparse.Namespace) -> int:
     _logging(args.log_level)
     import torch  # noqa: PLC0415
 
+    from clients.initial_model import initial_model  # noqa: PLC0415
     from servers.server_daemon import ServerDaemon, install_crash_points  # noqa: PLC0415
 
     torch.set_num_threads(1)
     install_crash_points(os.environ.get("STARFISH_CRASH_AT"))
-    daemon = ServerDaemon(cfg, args.party)
+    daemon = ServerDaemon(cfg, args.party, initial_model(cfg.model))
     _on_signals(daemon.stop)
     daemon.serve_forever()
     return 0
@@ -77,7 +78,7 @@ def federation_spec(cfg: Any, args: argparse.Namespace) -> Any:
     """The simulator's FederationSpec: command line, then [clients]/[model], then lab defaults."""
     from bench.lab_setup import DATASET_DEFAULTS  # noqa: PLC0415
     from clients.simulator import FederationSpec  # noqa: PLC0415
-    from servers.initial_model import architecture_of  # noqa: PLC0415
+    from clients.initial_model import architecture_of  # noqa: PLC0415
 
     dataset = args.dataset or cfg.clients.dataset
     if dataset != cfg.model.dataset:

@@ -2,15 +2,20 @@
 
 Why from a seed: the two servers must start from the same M_0 without exchanging it, and
 a restarted server must find the M_0 its history store was created with (the store
-refuses to open with a different one). The architecture comes from ``clients.models``;
-the dataset only fixes the input shape, so no data is loaded.
+refuses to open with a different one). The architecture comes from the model zoo
+(``clients.models``); the dataset only fixes the input shape, so no data is loaded. It lives
+with the clients because the model zoo does: ``starfish server`` draws M_0 here and hands it
+to the daemon, so server code never imports client code.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from mpc.service_config import ConfigError, ModelSection
+
+from .models import build_model, default_model_name, flatten_params
 
 __all__ = ["INPUT_SHAPES", "initial_model", "architecture_of"]
 
@@ -19,17 +24,11 @@ INPUT_SHAPES = {"digits": (1, 8, 8), "mnist": (1, 28, 28), "fmnist": (1, 28, 28)
 
 
 def architecture_of(section: ModelSection) -> str:
-    from clients.models import default_model_name  # noqa: PLC0415
-
     return section.architecture or default_model_name(section.dataset)
 
 
 def initial_model(section: ModelSection) -> np.ndarray:
     """Flattened parameters of a fresh model (torch seeded with ``section.seed``), float64."""
-    import torch  # noqa: PLC0415
-
-    from clients.models import build_model, flatten_params  # noqa: PLC0415
-
     if section.dataset not in INPUT_SHAPES:
         raise ConfigError(f"[model] dataset must be one of {sorted(INPUT_SHAPES)}")
     factory = build_model(architecture_of(section), INPUT_SHAPES[section.dataset], 10,
