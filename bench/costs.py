@@ -30,6 +30,9 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+from protocols.compare import ge, select
+from protocols.sort import bitonic_sort
+
 __all__ = ["PAPER_TABLE1", "PAPER_TABLE2", "sort_layers", "sort_comparators", "fedrecover_threshold",
            "extrapolate", "gb", "fmt", "ratio"]
 
@@ -91,9 +94,6 @@ def sort_comparators(n: int) -> int:
 
 def fedrecover_threshold(values: Any, alpha: float, meter: Callable[[str], Any]) -> Any:
     """tau = the (floor(alpha N)+1)-th largest |value| of a flat shared (or plain) vector."""
-    from protocols.compare import ge, select
-    from protocols.sort import bitonic_sort
-
     n = int(values.shape[-1])
     k = min(n - 1, math.floor(alpha * n))
     with meter("abs"):

@@ -35,6 +35,7 @@ from servers.lab.metrics import arp, l2_distance
 from servers.lab.recovery import METHODS, CostRecord, FedEraser, FedRecover, RandomSelection, Retrain, Starfish
 
 from .lab_setup import build_setup, starfish_params
+from .report import human_bytes
 from .secure_lab import run_secure_starfish, step_table
 
 __all__ = ["main", "add_arguments", "run", "run_lab", "format_table"]
@@ -219,6 +220,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Four bar charts (TER, BA-ASR, MIA-ASR, ARP) like the paper's Figure 3."""
+    # lazy: the CLI imports this module for every command; matplotlib.pyplot costs ~0.45 s there
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -253,8 +255,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(format_table(result["results"]))
     if "secure" in result:
-        from .report import human_bytes
-
         print("\nstarfish (2PC) per step (online: server<->server, both directions; offline: dealer):")
         print(f"{'step':<12}{'rounds':>8}{'online':>12}{'offline':>12}{'seconds':>9}")
         for r in result["secure"]["steps"]:

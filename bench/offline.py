@@ -32,6 +32,7 @@ and the dealer link). Schedules and compute runs are cached on disk (:func:`meas
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import pickle
 import resource
@@ -41,7 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from mpc.channel import KIND_OBJECT
+from mpc import run_parties
+from mpc.channel import KIND_OBJECT, NO_LINK
 
 OFFLINE_PREFIX = "offline:"
 
@@ -92,8 +94,6 @@ def code_fingerprint() -> str:
     Used in cache keys, so an edited working tree (not only a new commit) invalidates them.
     Only ``.py`` files count (editing bench/README.md keeps the caches).
     """
-    import hashlib
-
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
     for rel in _FINGERPRINTED:
@@ -250,8 +250,6 @@ def run_three(fn: Callable, args: tuple, *, link=None, schedule_path: str | os.P
     ``(fn, args)`` records with another (cheaper) program on the same shapes, whose steps are
     renamed by ``aliases`` (new name -> recorded name).
     """
-    from mpc import run_parties
-
     secs: dict[str, float] = {}
     schedule = None
     recorded = None
@@ -353,8 +351,6 @@ def measure(fn, args: tuple, *, profile, shaping, cache_dir: str | os.PathLike, 
     on the same configuration then only makes the link run. Under netem (the whole process runs
     in a shaped namespace) the compute run must come from the cache: it was made outside.
     """
-    from mpc.channel import NO_LINK
-
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     compute_path = cache / f"{prefix}-compute-{key}.pkl"

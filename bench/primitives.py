@@ -18,9 +18,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from typing import Callable
+
+import torch
+
+from mpc import LinkProfile, run_parties
+from mpc.crypten_compat import crypten
+from protocols.compare import ge, ge_ratio, select
+from protocols.division import divide, reciprocal
+from protocols.inner_product import inner
+from protocols.inverse import inverse_masked, inverse_newton
+from protocols.maximum import max as secure_max
+from protocols.sort import bitonic_sort, ratio_comparator, top_k
+from protocols.threshold import any_exceeds
 
 from .report import machine_info, markdown_table, write_json
 
@@ -52,18 +65,6 @@ PRIMITIVES: dict[str, tuple[str, tuple[int, ...]]] = {
 def _cases() -> dict[str, Callable]:
     """Per primitive: ``case(n, gen, shared)`` shares the inputs (no traffic: pseudo-random
     zero sharings) and returns a thunk doing exactly the work that is metered."""
-    import math
-
-    import torch
-
-    from protocols.compare import ge, ge_ratio, select
-    from protocols.division import divide, reciprocal
-    from protocols.inner_product import inner
-    from protocols.inverse import inverse_masked, inverse_newton
-    from protocols.maximum import max as secure_max
-    from protocols.sort import bitonic_sort, ratio_comparator, top_k
-    from protocols.threshold import any_exceeds
-
     f64 = torch.float64
 
     def normal(shape, g):
@@ -147,10 +148,6 @@ def _cases() -> dict[str, Callable]:
 
 
 def _program(party, primitive: str, sizes: list[int]) -> dict:
-    import torch
-
-    from mpc.crypten_compat import crypten
-
     def shared(t, src):
         return crypten.cryptensor(t.to(torch.float64), src=src)
 
@@ -169,8 +166,6 @@ def _program(party, primitive: str, sizes: list[int]) -> dict:
 # ----------------------------------------------------------------------------- parent side
 def measure(primitive: str, sizes: list[int], provider: str, link, prefill: bool,
             timeout: float) -> list[dict]:
-    from mpc import run_parties
-
     t0 = time.perf_counter()
     dry = run_parties(_program, primitive, sizes, provider=provider, link=link, timeout=timeout)
     res = dry
@@ -226,8 +221,6 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
         add_arguments(parser)
         args = parser.parse_args(argv)
-    from mpc import LinkProfile
-
     link = LinkProfile(args.latency_ms / 1000.0, args.bandwidth_mbps * 1e6)
     names = [s.strip() for s in args.primitives.split(",") if s.strip()]
     unknown = [s for s in names if s not in PRIMITIVES]

@@ -37,7 +37,10 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 from dataclasses import asdict, dataclass
+
+from mpc.channel import NO_LINK, LinkProfile
 
 #: name -> (round-trip seconds, bandwidth as written in the paper, per second)
 PAPER_PROFILES: dict[str, tuple[float, float]] = {
@@ -67,8 +70,6 @@ class NetworkProfile:
 
     def link(self):
         """The transport's LinkProfile for this profile (server link and dealer link)."""
-        from mpc.channel import LinkProfile
-
         return LinkProfile(self.one_way_latency_s, self.bandwidth_bps)
 
     def describe(self) -> str:
@@ -226,8 +227,6 @@ def run_under_netem(profile: NetworkProfile, argv: list[str]) -> int:
     Not exercised on the development machine (its kernel has no netem); the namespace is
     removed afterwards whatever happens.
     """
-    import sys
-
     ns = f"starfish-bench-{os.getpid()}-{secrets.token_hex(3)}"
     try:
         for cmd in netem_commands(ns, profile):
@@ -242,8 +241,6 @@ def run_under_netem(profile: NetworkProfile, argv: list[str]) -> int:
 
 def forwarded_argv(command: list[str], argv: list[str] | None) -> list[str]:
     """The ``starfish`` arguments that re-run this benchmark (``command`` e.g. ["bench", "steps"])."""
-    import sys
-
     if argv is not None:
         return [*command, *argv]
     args = sys.argv[1:]
@@ -253,8 +250,6 @@ def forwarded_argv(command: list[str], argv: list[str] | None) -> list[str]:
 
 def effective_link(profile: NetworkProfile, shaping: Shaping):
     """The LinkProfile to hand to the transport: none when netem (or nothing) shapes the link."""
-    from mpc.channel import NO_LINK
-
     return profile.link() if shaping.method == "link-emulation" else NO_LINK
 
 

@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import torch
+
 
 def machine_info() -> dict:
     try:
@@ -16,8 +18,6 @@ def machine_info() -> dict:
                                 cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
     except OSError:
         commit = ""
-    import torch
-
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "git_commit": commit or "unknown",

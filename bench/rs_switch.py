@@ -22,6 +22,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
+from mpc import run_parties
+from mpc.crypten_compat import crypten
+from protocols.starfish import num_selected, select_rounds
 from protocols.starfish.round_selection import LINK_PROFILES as PROFILES
 from protocols.starfish.round_selection import T_DELTA_TABLE as DEFAULT_FILE
 from protocols.starfish.round_selection import predicted_seconds, t_delta_from
@@ -30,11 +35,6 @@ from .report import machine_info, markdown_table, write_json
 
 
 def _program(party, T: int, seed: int) -> dict:
-    import torch
-
-    from mpc.crypten_compat import crypten
-    from protocols.starfish import num_selected, select_rounds
-
     gen = torch.Generator().manual_seed(seed)
     u = crypten.cryptensor(torch.randn(T, generator=gen, dtype=torch.float64), src=0)
     v = crypten.cryptensor(torch.rand(T, generator=gen, dtype=torch.float64) + 0.5, src=0)
@@ -52,8 +52,6 @@ def _program(party, T: int, seed: int) -> dict:
 
 
 def measure(Ts: list[int]) -> list[dict]:
-    from mpc import run_parties
-
     rows = []
     for T in Ts:
         print(f"round selection with T = {T} ...", file=sys.stderr, flush=True)

@@ -18,29 +18,27 @@ import argparse
 import dataclasses
 import sys
 
+import torch
+
+from mpc import LinkProfile, run_parties
+from mpc.crypten_compat import crypten
+from protocols.compare import ge
+
 from .report import machine_info, markdown_table, write_json
 
 OPS = ("mul", "ge", "ge_planes")
 
 
 def _program(party, op: str, n: int):
-    import torch
-
-    from mpc.crypten_compat import crypten
-
     gen = torch.Generator().manual_seed(0)
     x = crypten.cryptensor(torch.randn(n, generator=gen), src=0)
     y = crypten.cryptensor(torch.randn(n, generator=gen), src=1)
-    from protocols.compare import ge
-
     with party.meter(op):
         z = x * y if op == "mul" else (x >= y if op == "ge" else ge(x, y))
     return float(z.get_plain_text()[:1].item())
 
 
 def measure(op: str, n: int, provider: str, link) -> dict:
-    from mpc import run_parties
-
     plan = None
     if provider == "dealer":
         plan = run_parties(_program, op, n, provider="dealer", link=link, timeout=600).plans[1]
@@ -74,8 +72,6 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
         add_arguments(parser)
         args = parser.parse_args(argv)
-    from mpc import LinkProfile
-
     n = int(args.n)
     link = LinkProfile(args.latency_ms / 1000.0, args.bandwidth_mbps * 1e6)
     rows = []

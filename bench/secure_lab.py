@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpc import encoding
+from mpc import encoding, run_parties
+from mpc.channel import NO_LINK
 from mpc.prg import Prg, new_seed
 from mpc.sharing import share
 from protocols.starfish import StarfishParams, run_stage2
@@ -104,9 +105,6 @@ def _server(party, lab_args: dict, targets: list[int], params: StarfishParams, s
 def run_secure_starfish(lab_args: argparse.Namespace, history: History, targets: list[int],
                         params: StarfishParams, link=None, timeout: float = 1800.0) -> dict:
     """Stage II under 2PC on ``history``; returns both servers' outcomes."""
-    from mpc import run_parties
-    from mpc.channel import NO_LINK
-
     shares0, shares1 = split_history(history)
     args = {k: v for k, v in vars(lab_args).items() if k != "func"}
     with tempfile.TemporaryDirectory(prefix="starfish-secure-lab-") as tmp:

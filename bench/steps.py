@@ -33,14 +33,22 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from mpc.crypten_compat import crypten
 from protocols.backend import cat
-from protocols.starfish import StarfishParams, check_thresholds, determine_thresholds, starfish_select
+from protocols.inverse import inverse_masked
+from protocols.maximum import max as secure_max
+from protocols.sort import bitonic_sort
+from protocols.starfish import (StarfishParams, check_thresholds, determine_thresholds, select_rounds,
+                                starfish_select)
 from protocols.starfish.backend import stack
 from protocols.starfish.replay import Replay
+from protocols.threshold import any_exceeds
 
 from . import costs, offline, profiles
 from .report import machine_info, markdown_table, write_json
-from .synthetic import SyntheticConfig, config, prepare
+from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, config, load_data, prepare
 
 STEPS = ("TD1", "TD2", "RS1", "RS2", "UE", "TC", "aggregate")
 TD1_SAMPLES = (4, 16)   # coordinates per stored update in the two TD1 samples
@@ -49,15 +57,6 @@ TD1_SAMPLES = (4, 16)   # coordinates per stored update in the two TD1 samples
 def _warm_up() -> None:
     """First calls pay one-off costs (lazy imports, first dispatch: ~2 s for the first ratio
     sort); run each kind of protocol once on tiny inputs, outside every metered step."""
-    import torch
-
-    from mpc.crypten_compat import crypten
-    from protocols.inverse import inverse_masked
-    from protocols.maximum import max as secure_max
-    from protocols.sort import bitonic_sort
-    from protocols.starfish import select_rounds
-    from protocols.threshold import any_exceeds
-
     x = crypten.cryptensor(torch.arange(1.0, 5.0, dtype=torch.float64), src=0)
     (x * x).reveal()
     (x >= 0.5).reveal()
@@ -73,10 +72,6 @@ def _warm_up() -> None:
 def party_setup(party, spec: dict, data_path: str, schedule):
     """What every benchmark party program starts with: one thread, the synthetic history of
     this party's shares, its simulated clients, dealer-material instrumentation, warm-up."""
-    import torch
-
-    from .synthetic import SyntheticClients, SyntheticHistory, load_data
-
     torch.set_num_threads(1)
     cfg = SyntheticConfig.from_json(spec)
     hist = SyntheticHistory(cfg, load_data(data_path), party.rank, party.wrap_share)

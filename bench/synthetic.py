@@ -43,6 +43,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from clients.models import build_model, flatten_params
 from mpc.encoding import encode
 from mpc.prg import Prg
 from protocols.starfish.ports import History, Secret
@@ -139,8 +140,6 @@ def tolerance_delta(g: np.ndarray, alpha: float) -> float:
 
 def _initial_model(cfg: SyntheticConfig) -> np.ndarray:
     if cfg.model is not None:
-        from clients.models import build_model, flatten_params
-
         torch.manual_seed(cfg.seed)
         m0 = flatten_params(build_model(cfg.model, cfg.input_shape, cfg.classes)()).double().numpy()
         if m0.size != cfg.num_params:

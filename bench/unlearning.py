@@ -25,6 +25,7 @@ when a direct run would take too long (WAN: ~50 minutes of emulated transfer).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import hashlib
 import json
 import os
@@ -32,7 +33,11 @@ import sys
 import time
 from pathlib import Path
 
+from protocols.starfish import StarfishParams, run_stage2
+from protocols.starfish.round_selection import choose_method, default_t_delta
+
 from . import costs, offline, profiles
+from . import steps as steps_bench
 from .report import machine_info, markdown_table, write_json
 from .synthetic import SyntheticConfig, config, prepare
 
@@ -45,13 +50,7 @@ TARGET_RSS = 6 * 2**30
 
 def _program(party, spec: dict, data_path: str, method: str, t_delta: int, cprofile_dir: str | None,
              schedule) -> dict:
-    import cProfile
-
-    from protocols.starfish import StarfishParams, run_stage2
-
-    from .steps import party_setup
-
-    cfg, hist, clients, p = party_setup(party, spec, data_path, schedule)
+    cfg, hist, clients, p = steps_bench.party_setup(party, spec, data_path, schedule)
     params = StarfishParams(sigma=cfg.sigma, beta=cfg.beta, buffer=cfg.buffer, method=method, t_delta=t_delta)
     prof = cProfile.Profile() if cprofile_dir else None
     if prof is not None:
@@ -71,9 +70,6 @@ def _program(party, spec: dict, data_path: str, method: str, t_delta: int, cprof
 
 def _method(profile: profiles.NetworkProfile, requested: str, T: int) -> tuple[str, int, str]:
     """(method for StarfishParams, t_delta, the method that will run) for this profile."""
-    from protocols.starfish.round_selection import choose_method
-    from protocols.starfish.round_selection import default_t_delta
-
     name = profile.name if profile.name in ("lan", "wan") else "lan"
     t_delta = default_t_delta(name)
     return requested, t_delta, choose_method(T, requested, t_delta)
@@ -329,8 +325,6 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     fn_args = (cfg.to_json(), str(data_path), method, t_delta, args.cprofile)
     # The dealer requests of TD, RS, UE, TC are the same on every call: record them with one
     # call of each (bench/steps.py's program on the same shapes) instead of a whole Stage II.
-    from . import steps as steps_bench
-
     rs = "RS1" if method_run == "ratio" else "RS2"
     record = (steps_bench._program, (cfg.to_json(), str(data_path), ["TD2", rs, "UE", "TC", "aggregate"], []))
     aliases = {"TD": "TD2", "RS": rs, "UE": "UE", "TC": "TC", "aggregate": "aggregate"}

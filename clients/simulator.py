@@ -30,12 +30,18 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from mpc.sharing import share
 from mpc import wire
 from mpc.service_config import ServiceConfig
 
+from .backdoor import BackdoorClient, default_trigger
+from .datasets import load_dataset
+from .models import build_model
+from .partition import partition
 from .service_client import ServiceClient, ServiceError
+from .training import LocalClient
 
 __all__ = ["FederationSpec", "Federation", "build_federation", "Simulator", "SimulatedClient",
            "TwinRecorder"]
@@ -76,14 +82,6 @@ class Federation:
 
 def build_federation(spec: FederationSpec) -> Federation:
     """The clients of ``spec`` (deterministic: the same spec gives the same clients)."""
-    import torch  # noqa: PLC0415
-
-    from .backdoor import BackdoorClient, default_trigger  # noqa: PLC0415
-    from .datasets import load_dataset  # noqa: PLC0415
-    from .models import build_model  # noqa: PLC0415
-    from .partition import partition  # noqa: PLC0415
-    from .training import LocalClient  # noqa: PLC0415
-
     data = load_dataset(spec.dataset, spec.data_dir).subset_train(spec.train_limit, spec.seed)
     parts = partition(spec.partition, data.y_train, spec.n, spec.seed, num_classes=data.num_classes)
     factory = build_model(spec.architecture, data.input_shape, data.num_classes, l2=spec.l2)
@@ -180,8 +178,6 @@ class Simulator:
 
     # ------------------------------------------------------------------ FL
     def _train_round(self, r: int, precision: int) -> bool:
-        import torch  # noqa: PLC0415
-
         pending = [c for c in self.clients if r not in c.uploaded]
         if not pending:
             return False
@@ -214,8 +210,6 @@ class Simulator:
 
     # ------------------------------------------------------------------ correction tasks
     def _answer_tasks(self, precision: int) -> bool:
-        import torch  # noqa: PLC0415
-
         did = False
         for c in self.clients:
             t0 = {t["task"]: t for t in self._call(c, 0, "poll_tasks")["tasks"]}

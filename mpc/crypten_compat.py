@@ -5,7 +5,7 @@ Why it exists: CrypTen 0.4.1 predates torch 2.13. ``import crypten`` imports
 ``torch.onnx._internal.registration`` (removed from torch). We never convert ONNX
 models (the servers compute on shares, not on CrypTen models), so instead of
 installing ``onnx`` and faking torch internals we register a stand-in converter module
-whose functions raise a clear error. ``tests/test_crypten_compat.py`` fails as soon as
+whose functions raise a clear error. ``tests/mpc/test_crypten_compat.py`` fails as soon as
 plain ``import crypten`` starts to work (shim no longer needed) or the shim stops
 making it work.
 
@@ -48,20 +48,12 @@ def _install_onnx_stub() -> None:
     sys.modules[_STUB_NAME] = stub
 
 
-def import_crypten():
-    """Return the ``crypten`` module, importing it through the shim on first use."""
-    if "crypten" in sys.modules and hasattr(sys.modules["crypten"], "mpc"):
-        return sys.modules["crypten"]
-    _install_onnx_stub()
-    import crypten  # noqa: PLC0415  (deliberately late: the stub must be in place)
+_install_onnx_stub()  # before ``import crypten``: it imports crypten.nn.onnx_converter
 
-    return crypten
-
-
-crypten = import_crypten()
-
+import crypten  # noqa: E402
 import crypten.communicator as _comm_pkg  # noqa: E402
 import crypten.mpc as _crypten_mpc  # noqa: E402
+from crypten.common import serial as _serial  # noqa: E402
 from crypten.communicator import Communicator as CommunicatorBase  # noqa: E402
 from crypten.config import cfg  # noqa: E402
 from crypten.mpc.primitives import ArithmeticSharedTensor, BinarySharedTensor  # noqa: E402
@@ -77,7 +69,6 @@ __all__ = [
     "ArithmeticSharedTensor",
     "BinarySharedTensor",
     "install_communicator",
-    "uninstall_communicator",
     "register_provider",
     "use_provider",
     "seed_generators",
@@ -111,10 +102,9 @@ FixedPointEncoder.decode = _decode_fixed
 # the CPU time of small operations (a 64-entry sort: 1.44 s -> 0.44 s without it). This
 # project never uses CrypTen's validation mode, so the check reads a constant instead.
 import crypten.debug as _crypten_debug  # noqa: E402
-import types as _types  # noqa: E402
 
-_crypten_debug.cfg = _types.SimpleNamespace(
-    debug=_types.SimpleNamespace(validation_mode=False, debug_mode=False)
+_crypten_debug.cfg = types.SimpleNamespace(
+    debug=types.SimpleNamespace(validation_mode=False, debug_mode=False)
 )
 
 # CrypTen's module-level provider table; name is not mangled at module level.
@@ -131,12 +121,6 @@ def install_communicator(cls: type) -> None:
     _comm_pkg.DistributedCommunicator = cls
     # crypten.communicator keeps a module flag choosing its in-process communicator.
     setattr(_comm_pkg, "__use_threads", False)
-
-
-def uninstall_communicator() -> None:
-    from crypten.communicator.distributed_communicator import DistributedCommunicator
-
-    _comm_pkg.DistributedCommunicator = DistributedCommunicator
 
 
 def register_provider(name: str, provider: Any) -> None:
@@ -164,6 +148,4 @@ def seed_generators() -> None:
 
 def restricted_loads(buf: bytes) -> Any:
     """Unpickle a peer's object with CrypTen's allow-list unpickler (no arbitrary code)."""
-    from crypten.common import serial
-
-    return serial.restricted_loads(buf)
+    return _serial.restricted_loads(buf)

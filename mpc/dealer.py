@@ -24,23 +24,22 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import msgpack
+import numpy as np
+import torch
 
 from . import correlations, tls
 from .channel import KIND_OBJECT, KIND_TENSOR, Channel, ChannelError, accept_loop, listen
 from .prg import new_seed
+from .wire import pack, unpack_bounded
 
 log = logging.getLogger("starfish.dealer")
 MAX_PREFILL = 1 << 20  # requests in one prefill message
 
 
-def pack(msg: dict) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
-
-
 def unpack(buf: bytes) -> dict:
-    msg = msgpack.unpackb(bytes(buf), raw=False, max_bin_len=1 << 24, max_array_len=MAX_PREFILL,
-                          max_str_len=1 << 16, max_map_len=64)
+    """A dealer control message; malformed msgpack raises msgpack's error (mostly ValueError)."""
+    msg = unpack_bounded(buf, max_bin_len=1 << 24, max_array_len=MAX_PREFILL, max_str_len=1 << 16,
+                         max_map_len=64)
     if not isinstance(msg, dict) or "op" not in msg:
         raise correlations.RequestError("dealer message must be a map with an 'op'")
     return msg
@@ -160,9 +159,6 @@ class DealerLink:
         return msg
 
     def _tensor(self, shape):
-        import numpy as np
-        import torch
-
         n = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
         buf = self.channel.recv_frame(KIND_TENSOR, 8 * n)
         return torch.from_numpy(np.frombuffer(buf, dtype=np.int64)).reshape(shape)

@@ -21,7 +21,12 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
+from . import tls
 from .channel import NO_LINK, LinkProfile, listen
+from .dealer import DealerServer
+from .session import open_party
 
 _KEYS_DIR: str | None = None
 
@@ -46,8 +51,6 @@ def ephemeral_keys() -> str:
     """A CA and party/dealer certificates in a temporary directory, made once per process."""
     global _KEYS_DIR
     if _KEYS_DIR is None:
-        from . import tls
-
         d = tempfile.mkdtemp(prefix="starfish-keys-")
         tls.init_keys(d)
         _KEYS_DIR = d
@@ -63,19 +66,12 @@ def _context():
 
 
 def _dealer_main(keys_dir: str, out: Any) -> None:
-    from . import tls
-    from .dealer import DealerServer
-
     server = DealerServer(tls.identity(keys_dir, tls.DEALER_NAME))
     out.put(("dealer", server.address[1]))
     server.serve_forever()
 
 
 def _party_main(rank: int, fn: Callable, args: tuple, kwargs: dict, opts: dict, ports: Any, results: Any) -> None:
-    import torch
-
-    from .session import open_party
-
     torch.set_num_threads(opts.get("threads", 1))
     party = None
     try:

@@ -7,7 +7,6 @@ no TLS). Instead we install our communicator and provider through ``crypten_comp
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 from dataclasses import dataclass, field
@@ -136,12 +135,3 @@ def open_party(
             _provider.attach(rank, dealer)
         cc.use_provider(provider)
     return Party(rank, ch, meter, provider, dealer, {"session_id": session_id.hex()})
-
-
-@contextlib.contextmanager
-def party_session(rank: int, keys_dir, **kwargs):
-    party = open_party(rank, keys_dir, **kwargs)
-    try:
-        yield party
-    finally:
-        party.close()

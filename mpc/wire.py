@@ -31,8 +31,8 @@ import numpy as np
 from mpc.prg import SEED_BYTES
 
 __all__ = ["VERSION", "ERROR_CODES", "MUTATING_OPS", "REQUESTS", "WireError", "Request",
-           "pack", "unpack", "parse_request", "make_request", "ok_reply", "error_reply",
-           "tensor", "decode_tensor", "decode_share", "share_field", "check_reply",
+           "pack", "unpack", "unpack_bounded", "parse_request", "make_request", "ok_reply",
+           "error_reply", "tensor", "decode_tensor", "decode_share", "share_field", "check_reply",
            "client_id_of", "JOB_ID_RE", "TASK_ID_RE"]
 
 VERSION = 1
@@ -173,15 +173,28 @@ def pack(msg: Mapping[str, Any]) -> bytes:
     return msgpack.packb(dict(msg), use_bin_type=True)
 
 
+def unpack_bounded(buf: bytes | bytearray | memoryview, *, max_bin_len: int,
+                   max_str_len: int = 1 << 16, max_array_len: int = 1 << 20,
+                   max_map_len: int = 4096) -> Any:
+    """One msgpack value with every length bounded and no extension types.
+
+    Raises msgpack's own errors (several types, mostly ValueError). Every msgpack message of
+    the project is decoded here, each protocol with its own limits: the client API and the
+    server link (:func:`unpack`) and the dealer's control messages (``mpc.dealer.unpack``).
+    """
+    return msgpack.unpackb(bytes(buf), raw=False, strict_map_key=True, use_list=True,
+                           max_bin_len=max_bin_len, max_str_len=max_str_len,
+                           max_array_len=max_array_len, max_map_len=max_map_len,
+                           max_ext_len=0, ext_hook=_no_ext)
+
+
 def unpack(buf: bytes | bytearray | memoryview, max_bytes: int) -> dict:
     """Decode one msgpack map of at most ``max_bytes``; any problem is a WireError."""
     n = len(buf)
     if n > max_bytes:
         raise WireError("too_large", f"message of {n} bytes exceeds the limit of {max_bytes}")
     try:
-        msg = msgpack.unpackb(bytes(buf), raw=False, strict_map_key=True, use_list=True,
-                              max_bin_len=max_bytes, max_str_len=1 << 16, max_array_len=1 << 20,
-                              max_map_len=4096, max_ext_len=0, ext_hook=_no_ext)
+        msg = unpack_bounded(buf, max_bin_len=max_bytes)
     except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
         raise WireError("bad_request", f"not a valid msgpack message ({type(exc).__name__}: {exc})") from None
     if not isinstance(msg, dict):

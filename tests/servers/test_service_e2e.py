@@ -22,7 +22,7 @@ from servers.lab.history import NpzHistory
 from servers.share_store import ShareStore
 from protocols.starfish import run_stage2
 from servers.unlearning_jobs import starfish_params
-from service_harness import Deployment
+from tests.helpers.service_harness import Deployment
 from starfish.service_commands import federation_spec
 
 torch.set_num_threads(1)

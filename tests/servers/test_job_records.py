@@ -15,7 +15,7 @@ import pytest
 from servers import share_store as ss
 from servers.job_records import FINISHED, TRANSITIONS, JobState
 from servers.share_store import ShareStore
-from store_helpers import new_store
+from tests.helpers.store_helpers import new_store
 
 
 def test_unlearning_jobs_survive_reopen_and_follow_their_state_machine(tmp_path):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-import parties
+from tests.helpers import parties
 from mpc import bitplanes, correlations, run_parties
 from mpc.prg import new_seed
 

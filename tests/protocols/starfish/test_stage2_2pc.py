@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-import secure_programs
+from tests.helpers import secure_programs
 from mpc import run_parties
 from protocols.starfish import check_thresholds, determine_thresholds, estimate_updates, select_rounds, \
     selection_keys

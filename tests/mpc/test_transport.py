@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-import parties
+from tests.helpers import parties
 from mpc import channel as chmod
 from mpc import run_parties, tls
 from mpc.channel import Channel, HandshakeError, LinkProfile, PeerDisconnected, PeerTimeout

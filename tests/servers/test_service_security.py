@@ -20,7 +20,7 @@ from mpc import tls
 from mpc.channel import KIND_TENSOR, Channel, HandshakeError
 from mpc.sharing import share
 from mpc import wire
-from service_harness import Deployment
+from tests.helpers.service_harness import Deployment
 
 LIMIT = 64 * 1024
 HARD_CAP = 256 * 1024

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from servers.share_store import ShareStore
-from service_harness import Deployment
+from tests.helpers.service_harness import Deployment
 
 N, ROUNDS = 3, 6
 #: per server: the crash point of each successive run (None: run to the end)

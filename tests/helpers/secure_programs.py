@@ -1,4 +1,4 @@
-"""Two-party programs for tests/test_secure_stage2.py (importable by the party processes)."""
+"""Two-party programs for tests/protocols/starfish/test_stage2_2pc.py (importable by the party processes)."""
 
 from __future__ import annotations
 

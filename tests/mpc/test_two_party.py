@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-import parties
+from tests.helpers import parties
 from mpc import encoding, run_parties, sharing
 
 FIXED_POINT_ERR = 2.0**-15

@@ -11,7 +11,7 @@ import pytest
 
 from servers import share_store as ss
 from servers.share_store import ClientShares, ShareStore
-from store_helpers import DIM, blob_files, new_store, ring, uploads
+from tests.helpers.store_helpers import DIM, blob_files, new_store, ring, uploads
 
 
 def test_staged_uploads_are_idempotent_refuse_conflicts_and_commit_only_when_complete(tmp_path):

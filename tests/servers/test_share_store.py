@@ -9,8 +9,8 @@ byte must be caught) and a fresh interpreter (the store loads no torch). Staging
 records and the History adapter have their own files (test_staging, test_job_records,
 test_share_history).
 
-This file is also the crash-test writer: ``python tests/test_share_store.py writer ...``
-(run as a subprocess so that it can be killed with SIGKILL).
+This file is also the crash-test writer: ``python -m tests.servers.test_share_store writer ...``
+from the repository root (run as a subprocess so that it can be killed with SIGKILL).
 """
 
 from __future__ import annotations
@@ -29,15 +29,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # when run as the writer script
-    sys.path.insert(0, str(REPO))
+from mpc import encoding, prg, sharing
+from servers import blobs as blobs_mod
+from servers import share_store as ss
+from servers.share_store import ClientShares, ShareStore
+from tests.helpers.store_helpers import DIM, blob_files, expected_share, new_store, ring, uploads
 
-from mpc import encoding, prg, sharing  # noqa: E402
-from servers import blobs as blobs_mod  # noqa: E402
-from servers import share_store as ss  # noqa: E402
-from servers.share_store import ClientShares, ShareStore  # noqa: E402
-from store_helpers import DIM, blob_files, expected_share, new_store, ring, uploads  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ====================================================================== deterministic workload
@@ -124,13 +122,13 @@ class Writer:
 
     def __init__(self, root: Path, seed: int, crash: tuple[str, int] | None = None,
                  rounds: int = GEN_ROUNDS) -> None:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "writer", str(root), str(seed), str(rounds)]
+        cmd = [sys.executable, "-m", "tests.servers.test_share_store", "writer", str(root), str(seed),
+               str(rounds)]
         if crash:
             cmd += [crash[0], str(crash[1])]
         self.errfile = root.parent / f"{root.name}-writer.err"
         with self.errfile.open("ab") as err:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, cwd=REPO, bufsize=0,
-                                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, cwd=REPO, bufsize=0)
         self._buf = b""
         self._sel = selectors.DefaultSelector()
         assert self.proc.stdout is not None

@@ -18,7 +18,7 @@ from protocols.starfish.ports import History, RoundRecord
 from servers import share_store as ss
 from servers.share_history import ShareHistory
 from servers.share_store import ClientShares, ShareStore
-from store_helpers import DIM, new_store, ring, uploads
+from tests.helpers.store_helpers import DIM, new_store, ring, uploads
 
 
 def test_history_append_round_detects_replay_only_with_a_round_index(tmp_path):
