@@ -30,6 +30,7 @@ import torch
 from clients.datasets import DATASET_NAMES
 from clients.models import MODEL_NAMES
 from mpc.channel import LinkProfile
+from protocols.starfish.params import PAPER
 from servers.lab.fl import run_federated, stderr_progress
 from servers.lab.metrics import arp, l2_distance
 from servers.lab.recovery import METHODS, CostRecord, FedEraser, FedRecover, RandomSelection, Retrain, Starfish
@@ -68,10 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     u = parser.add_argument_group("unlearning")
     u.add_argument("--method", default="retrain,federaser,fedrecover,starfish,random",
                    help="comma-separated: " + ",".join(METHODS))
-    u.add_argument("--sigma", type=float, default=0.6, help="Starfish selection rate (0.6)")
-    u.add_argument("--alpha", type=float, default=0.4, help="tolerance rate of delta (0.4)")
-    u.add_argument("--beta", type=float, default=0.1, help="interval rate, T_c=ceil(beta T)")
-    u.add_argument("--buffer", type=int, default=2, help="L-BFGS buffer size B (2)")
+    u.add_argument("--sigma", type=float, default=PAPER.sigma,
+                   help=f"Starfish selection rate ({PAPER.sigma})")
+    u.add_argument("--alpha", type=float, default=PAPER.alpha,
+                   help=f"tolerance rate of delta ({PAPER.alpha})")
+    u.add_argument("--beta", type=float, default=PAPER.beta,
+                   help=f"interval rate, T_c=ceil(beta T) ({PAPER.beta})")
+    u.add_argument("--buffer", type=int, default=PAPER.buffer,
+                   help=f"L-BFGS buffer size B ({PAPER.buffer})")
     u.add_argument("--rs-method", choices=("auto", "ratio", "divide"), default="auto",
                    help="round-selection comparison: Method 1 (ratio) or 2 (divide)")
     u.add_argument("--fedrecover-alpha", type=float, default=0.001,

@@ -133,17 +133,16 @@ def _one_estimated_round(p, hist, clients, cfg: SyntheticConfig, thresholds, met
     every meter; the first estimated round is metered step by step.
     """
     schedule = _OneCheckedRound(thresholds, "TC" in metered)
-    replay = None
+    estimating = False  # decided at the start of a round: the warm-up's last round is not metered
 
     def meter(name: str):
-        estimating = replay is not None and replay.buffers.all_full()
         return p.meter(name) if estimating and name in metered else contextlib.nullcontext()
 
     replay = Replay(hist, cfg.remaining, clients, buffer=cfg.buffer, server_lr=hist.server_lr, meter=meter)
     for t in range(1, cfg.rounds + 1):
-        was_full = replay.buffers.all_full()
+        estimating = replay.buffers.all_full()
         replay.replay_round(t, schedule)
-        if was_full:
+        if estimating:
             break
     out = {"aggregate_norm": float(replay.last_aggregate.norm())}
     if schedule.flags is not None:

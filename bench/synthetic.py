@@ -46,6 +46,7 @@ import torch
 from clients.models import build_model, flatten_params
 from mpc.encoding import encode
 from mpc.prg import Prg
+from protocols.starfish.params import PAPER
 from protocols.starfish.ports import History, Secret
 
 __all__ = ["SyntheticConfig", "CONFIGS", "config", "prepare", "load_data", "SyntheticHistory",
@@ -60,10 +61,10 @@ class SyntheticConfig:
     num_params: int
     clients: int = 20
     rounds: int = 40
-    sigma: float = 0.6
-    alpha: float = 0.4
-    beta: float = 0.1
-    buffer: int = 2
+    sigma: float = PAPER.sigma
+    alpha: float = PAPER.alpha
+    beta: float = PAPER.beta
+    buffer: int = PAPER.buffer
     targets: tuple[int, ...] = (0,)
     update_scale: float = 1e-3
     server_lr: float = 1.0

@@ -1,6 +1,6 @@
 """Datasets for the plaintext FL lab: an embedded default and loaders for local files.
 
-Why this shape: the lab must run anywhere without a network (DESIGN.md 5), so the default
+Why this shape: the lab must run anywhere without a network (docs/design.md 5), so the default
 is scikit-learn's handwritten digits, which ships inside the scikit-learn wheel. MNIST,
 Fashion-MNIST and CIFAR-10 are read from a directory the user names, in their original
 distribution formats (IDX files, CIFAR-10 "python version" pickles). Nothing downloads.

@@ -1,7 +1,7 @@
 """A client's (or the admin's) connection to one server of the service.
 
 Why here: a client needs only its credentials, the wire schema and numpy; never torch or
-the 2PC engine (DESIGN.md 4). :class:`ServiceClient` sends one request at a time over a
+the 2PC engine (docs/design.md 4). :class:`ServiceClient` sends one request at a time over a
 mutually authenticated TLS 1.3 channel (it checks the server's certificate name,
 ``server0`` or ``server1``; the server checks ours), adds a strictly increasing nonce to
 state-changing requests, and turns an error reply into :class:`ServiceError`.

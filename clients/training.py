@@ -1,6 +1,6 @@
 """Local training of one FL client and its assistive information.
 
-Update convention (DESIGN.md 3): the server forms M_i = M_{i-1} - eta * sum_j w_j g_i^j with
+Update convention (docs/design.md 3): the server forms M_i = M_{i-1} - eta * sum_j w_j g_i^j with
 FedAvg weights w_j = |D_j| / |D|. A client trains E epochs of plain SGD (no momentum) with
 learning rate ``lr`` starting from M_{i-1} and reports
 

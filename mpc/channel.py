@@ -1,6 +1,6 @@
 """A framed, metered, mutually authenticated TLS 1.3 channel between two processes.
 
-Design (DESIGN.md 4.2):
+Design (docs/design.md 4.2):
 - TLS runs over an in-memory BIO pair (``ssl.MemoryBIO`` + ``SSLObject``) instead of an
   ``SSLSocket``: OpenSSL forbids using one SSL object from two threads at once, and we
   need a reader thread so that two parties sending large tensors to each other at the

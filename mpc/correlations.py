@@ -1,6 +1,6 @@
 """Correlated randomness (Beaver triples and friends) derived from two AES-CTR seeds.
 
-The dealer (DESIGN.md 4.3) and the parties run the same derivations. For request
+The dealer (docs/design.md 4.3) and the parties run the same derivations. For request
 number ``i``, party 0's shares are drawn from PRG(seed0, stream=i) and the freely
 chosen part of party 1's shares from PRG(seed1, stream=i); only the dealer knows both
 seeds, computes the correlated value (e.g. c = a*b) and sends party 1 the *correction*

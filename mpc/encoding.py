@@ -1,7 +1,7 @@
 """Fixed-point encoding into the ring Z_2^64, bit-exact with CrypTen's FixedPointEncoder.
 
 Why numpy and not CrypTen: clients must be able to encode and share an update with
-numpy and this package alone (DESIGN.md 4: ``clients`` never needs the 2PC engine).
+numpy and this package alone (docs/design.md 4: ``clients`` never needs the 2PC engine).
 CrypTen encodes a float tensor as ``(scale * x).long()``: the product is taken in the
 tensor's own float dtype and then truncated toward zero. We do the same, so a value a
 client encodes here and a value a server encodes with CrypTen are the same ring element.

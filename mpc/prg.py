@@ -1,6 +1,6 @@
 """AES-CTR pseudo-random generator over the ring Z_2^64.
 
-Why AES-CTR: all randomness that hides a secret must come from a CSPRNG (DESIGN.md 2).
+Why AES-CTR: all randomness that hides a secret must come from a CSPRNG (docs/design.md 2).
 Keys come from ``os.urandom``; a 16-byte key then expands to any number of ring
 elements, which is what makes seed-compressed shares possible (a party or client sends
 16 bytes instead of a whole share). Different ``stream`` numbers under one key give

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import tls
+
 __all__ = ["ConfigError", "Endpoint", "ServerSection", "DealerSection", "ModelSection",
            "FLSection", "UnlearningSection", "LimitsSection", "ClientsSection",
            "ServiceConfig", "load_config", "render_config", "write_scratch_deployment",
@@ -101,12 +103,16 @@ class FLSection:
 
 @dataclass(frozen=True)
 class UnlearningSection:
+    """Stage II's parameters. The defaults are the paper's, owned by
+    ``protocols.starfish.params.PAPER``; this module is read by clients and must not import
+    ``protocols``, so they are repeated here and a test keeps the two equal."""
+
     sigma: float = 0.6               # selection rate: T' = ceil(sigma T) replayed rounds
     alpha: float = 0.4               # tolerance rate of delta_i^j (used by clients in Stage I)
     beta: float = 0.1                # interval rate: threshold check every ceil(beta T) replayed rounds
     buffer: int = 2                  # L-BFGS buffer size B
     rs_method: str = "auto"          # round-selection comparison: auto | ratio | divide
-    t_delta: int = 0                 # auto: Method 1 while T < t_delta; 0 = measured (rs_switch.json, LAN)
+    t_delta: int = 0                 # auto: Method 1 while T < t_delta; 0 = measured (protocols/starfish/data/t_delta.json, LAN)
     correction_timeout: float = 300.0  # seconds the servers wait for the clients of one correction task
     agree_timeout: float = 60.0      # a request that reached only one server fails after this
     session_timeout: float = 300.0   # 2PC session: seconds to wait for the peer/dealer
@@ -298,8 +304,6 @@ def write_scratch_deployment(directory: str | os.PathLike[str], *, clients: int 
     Returns the path of ``config.toml``. ``overrides`` maps section -> {key: value}. For
     demos and tests; a real deployment hands every party only its own key.
     """
-    from mpc import tls  # noqa: PLC0415 - needs `cryptography`, not torch
-
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tls.init_keys(d / "keys", clients=clients)

@@ -1,6 +1,6 @@
 """The client API's message schema: msgpack maps over the mutually authenticated TLS channel.
 
-Why a strict schema: a server must treat every client as untrusted input (DESIGN.md 2).
+Why a strict schema: a server must treat every client as untrusted input (docs/design.md 2).
 Each request is one ``KIND_OBJECT`` frame holding a msgpack map; it is refused with a
 clear error reply, before anything is stored, when it is too large, not msgpack, of
 another protocol version, an unknown operation, has a missing or unknown field, a field

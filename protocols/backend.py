@@ -1,7 +1,7 @@
 """Dispatch between the plaintext twin (torch tensors) and the 2PC path (CrypTen MPCTensors).
 
 Every primitive in :mod:`protocols` takes either kind of tensor through one signature, so that
-the Starfish sub-protocols are written once and run on either backend (DESIGN.md 4.1). This
+the Starfish sub-protocols are written once and run on either backend (docs/design.md 4.1). This
 module holds the few helpers that need to know which backend a value lives on.
 
 Fixed-point conventions (CrypTen defaults, 64-bit ring, ``F = 16`` fractional bits):

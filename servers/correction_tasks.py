@@ -1,6 +1,6 @@
 """Correction tasks of Stage II: asking remaining clients for exact updates, as shares.
 
-Why: Starfish's warm-up and its periodic correction (DESIGN.md 3, Stage II steps 3-4)
+Why: Starfish's warm-up and its periodic correction (docs/design.md 3, Stage II steps 3-4)
 need exact updates g_bar computed by clients on the recovered model M_hat, which is
 public. ``run_stage2`` asks for them through ``clients.exact_updates(round, model, ids)``
 on both servers in lockstep. :class:`ServiceCorrectionClients` implements that call for a

@@ -1,6 +1,6 @@
 """``starfish dealer``: the correlated-randomness daemon at the config's address.
 
-Why a separate process: the dealer is the third non-colluding party (DESIGN.md 4.3). It
+Why a separate process: the dealer is the third non-colluding party (docs/design.md 4.3). It
 receives no data, only the request sizes of each 2PC session, and serves any number of
 sessions (one per unlearning job) with ``mpc.dealer.DealerServer``; only certificates
 ``server0``/``server1`` of the deployment's CA are accepted, each for its own rank.

@@ -1,6 +1,6 @@
 """Durable unlearning-job records: the job states, their transitions, the ``jobs`` table.
 
-Why a module of its own: an unlearning request outlives processes (DESIGN.md 4.4: "2PC job
+Why a module of its own: an unlearning request outlives processes (docs/design.md 4.4: "2PC job
 with durable progress; a crash of any process resumes or re-runs it"), so each server keeps
 a record per job in its store's catalog, next to the history the job reads. A record is
 public bookkeeping (who asked, which clients to forget, parameters, state, progress, where

@@ -1,6 +1,6 @@
 """``starfish server --party 0|1``: one of the two non-colluding servers, as a daemon.
 
-What it runs (DESIGN.md 3 and 4.4), each part in its own module:
+What it runs (docs/design.md 3 and 4.4), each part in its own module:
 
 * the client API (``servers.client_api``): ``mpc.wire`` messages over mutually
   authenticated TLS 1.3 from the FL clients and the operator;

@@ -1,4 +1,4 @@
-"""One server's store as the ``History`` port of Stage II (DESIGN.md 4.1).
+"""One server's store as the ``History`` port of Stage II (docs/design.md 4.1).
 
 Why a module of its own: Stage II (``protocols.starfish``) reads the FL history through
 the :class:`protocols.starfish.ports.History` port, in plaintext in the lab and on shares on

@@ -1,11 +1,11 @@
 """One server's durable FL history: public models in the clear, client values as shares.
 
 Why this module: a server daemon (party 0 or 1) must keep, for every FL round, what
-unlearning will later read (DESIGN.md 3, Stage I step 4): the public global model M_i, the
+unlearning will later read (docs/design.md 3, Stage I step 4): the public global model M_i, the
 participants, their FedAvg weights, and this party's additive share of each participant's
 update g_i^j, norm ||g_i^j|| and tolerance threshold delta_i^j. Unlearning may be requested
 long after training, across restarts and crashes, so the store must never lose a round the
-servers agreed on and never show half of one (DESIGN.md 4.4).
+servers agreed on and never show half of one (docs/design.md 4.4).
 
 :class:`ShareStore` is the store a daemon opens. It is assembled from one part per job:
 

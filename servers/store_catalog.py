@@ -1,7 +1,7 @@
 """The history store's directory: lock file, SQLite catalog, blob files, crash recovery.
 
 Why a module of its own: opening a store is where its durability guarantees are enforced
-(DESIGN.md 4.4): one process at a time (an exclusive lock file), a catalog in WAL mode with
+(docs/design.md 4.4): one process at a time (an exclusive lock file), a catalog in WAL mode with
 ``synchronous=FULL`` whose write transactions are durable when they return, a check that the
 directory belongs to this party and run, and the removal of whatever a crash left behind
 (blobs no catalog row refers to, temp files). :class:`StoreCatalog` does that and nothing

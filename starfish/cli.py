@@ -1,14 +1,16 @@
-"""The `starfish` command. Subcommands import their modules lazily (torch is slow to load)."""
+"""The `starfish` command: one parser, each subcommand's arguments from the module that runs it."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from bench import lab, primitives, rs_switch, runtime, scaling, steps, unlearning
+from mpc import tls
+from starfish import demo, service_commands
+
 
 def _keys_init(args: argparse.Namespace) -> int:
-    from mpc import tls
-
     try:
         names = tls.init_keys(args.dir, clients=args.clients)
     except FileExistsError as exc:
@@ -33,18 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     kinit.add_argument("--clients", type=int, default=0, help="also issue client-0..client-N-1 (default 0)")
     kinit.set_defaults(func=_keys_init)
 
-    from starfish import demo
-
     d = sub.add_parser("demo", help="the service end to end: dealer, two servers, 20 clients, 2PC "
                                     "unlearning of a backdoor client (--runtime: the 2PC runtime alone)")
     demo.add_arguments(d)
     d.set_defaults(func=lambda a: demo.main(args=a))
 
-    from starfish import service_commands
-
     service_commands.add_commands(sub)
-
-    from bench import lab
 
     lp = sub.add_parser("lab", help="plaintext FL + unlearning comparison (retrain, FedEraser, FedRecover, "
                                     "Starfish, random)")
@@ -53,22 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (JSON + Markdown output)")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
-    from bench import runtime
 
     br = bsub.add_parser("runtime", help="N multiplications and comparisons: rounds, bytes, seconds")
     runtime.add_arguments(br)
     br.set_defaults(func=lambda a: runtime.main(args=a))
-    from bench import primitives
 
     bp = bsub.add_parser("primitives", help="per primitive and size: rounds, online/offline bytes, seconds")
     primitives.add_arguments(bp)
     bp.set_defaults(func=lambda a: primitives.main(args=a))
-    from bench import rs_switch
 
     bs = bsub.add_parser("rs-switch", help="measure round-selection Methods 1 and 2; derive T_delta")
     rs_switch.add_arguments(bs)
     bs.set_defaults(func=lambda a: rs_switch.main(args=a))
-    from bench import scaling, steps, unlearning
 
     bst = bsub.add_parser("steps", help="per unlearning step on the paper's MNIST shapes (Table I): offline/online "
                                         "time and bytes, rounds; LAN/WAN profiles, analytic time")

@@ -1,6 +1,6 @@
 """`make demo` / `starfish demo`: the whole service on this machine, end to end.
 
-What it does (DESIGN.md 4.4, issue 6):
+What it does (docs/design.md 4.4, issue 6):
 
 1. writes a scratch deployment: a CA and certificates (servers, dealer, admin, 20 clients)
    and a config on free loopback ports;
@@ -31,6 +31,23 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
+
+from clients.metrics import Evaluator
+from clients.service_client import ServiceClient
+from clients.simulator import build_federation
+from mpc import wire
+from mpc.channel import ChannelError
+from mpc.service_config import load_config, write_scratch_deployment
+from protocols.starfish import run_stage2
+from servers.lab.history import NpzHistory
+from servers.lab.metrics import l2_distance
+from servers.lab.recovery import FedRecover, Retrain
+from servers.unlearning_jobs import starfish_params
+from starfish import runtime_demo
+from starfish.service_commands import federation_spec
 
 __all__ = ["add_arguments", "main", "ProcessGroup"]
 
@@ -93,8 +110,6 @@ def _say(msg: str) -> None:
 
 def _wait_ready(cfg: Any, procs: ProcessGroup, deadline: float) -> None:
     """Poll both servers' client API (as admin) until they answer."""
-    from clients.service_client import ServiceClient  # noqa: PLC0415
-    from mpc.channel import ChannelError  # noqa: PLC0415
 
     for p in (0, 1):
         while True:
@@ -126,10 +141,6 @@ def _follow(path: Path, offset: int) -> int:
 
 
 def _fetch_results(cfg: Any, job: str) -> list[dict]:
-    import numpy as np  # noqa: PLC0415
-
-    from clients.service_client import ServiceClient  # noqa: PLC0415
-    from mpc import wire  # noqa: PLC0415
 
     out = []
     for p in (0, 1):
@@ -163,17 +174,6 @@ def _comm_table(meters0: dict, meters1: dict) -> list[str]:
 
 def _baselines(cfg: Any, twin_dir: Path, n: int, target: int, model_2pc: Any) -> tuple[list, dict]:
     """Plaintext retrain, FedRecover and Starfish on the twin; metrics of every model."""
-    import numpy as np  # noqa: PLC0415
-    import torch  # noqa: PLC0415
-
-    from clients.metrics import Evaluator  # noqa: PLC0415
-    from clients.simulator import build_federation  # noqa: PLC0415
-    from servers.lab.history import NpzHistory  # noqa: PLC0415
-    from servers.lab.metrics import l2_distance  # noqa: PLC0415
-    from servers.lab.recovery import FedRecover, Retrain  # noqa: PLC0415
-    from protocols.starfish import run_stage2  # noqa: PLC0415
-    from servers.unlearning_jobs import starfish_params  # noqa: PLC0415
-    from starfish.service_commands import federation_spec  # noqa: PLC0415
 
     spec = federation_spec(cfg, _sim_args(n, target))
     fed = build_federation(spec)
@@ -215,7 +215,6 @@ def _sim_args(n: int, target: int) -> argparse.Namespace:
 
 
 def run_service_demo(args: argparse.Namespace) -> int:
-    from mpc.service_config import load_config, write_scratch_deployment  # noqa: PLC0415
 
     t_start = time.monotonic()
     deadline = t_start + args.timeout
@@ -261,8 +260,6 @@ def run_service_demo(args: argparse.Namespace) -> int:
         for r in recs:
             if r["state"] != "done":
                 raise RuntimeError(f"job {job} ended {r['state']}: {r.get('error')}")
-        import numpy as np  # noqa: PLC0415
-
         same = bool(np.array_equal(recs[0]["model"], recs[1]["model"]))
         res0, res1 = recs[0]["result"], recs[1]["result"]
         _say("[4/5] plaintext baselines on the twin history (retrain, FedRecover, Starfish)")
@@ -305,8 +302,6 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         add_arguments(parser)
         args = parser.parse_args(argv)
     if args.runtime:
-        from starfish import runtime_demo  # noqa: PLC0415
-
         return runtime_demo.main(args=args)
     try:
         return run_service_demo(args)

@@ -1,4 +1,4 @@
-"""The import graph keeps DESIGN.md's layers: bench -> servers, clients -> protocols -> mpc.
+"""The import graph keeps docs/design.md's layers: bench -> servers, clients -> protocols -> mpc.
 
 Walks every import statement (module top and function bodies) of the project's packages with
 ``ast`` and asserts (a) package edges only point down the layer order, with ``clients`` and

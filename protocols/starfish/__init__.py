@@ -1,6 +1,6 @@
 """Starfish, written once for plaintext and secret-shared data: the one home of the scheme.
 
-Why one code path (DESIGN.md 4.1): the plaintext lab and the two secure servers must run
+Why one code path (docs/design.md 4.1): the plaintext lab and the two secure servers must run
 the same algorithm so that their results can be compared within fixed-point error. Every
 operation on possibly-shared data here is either a ``protocols.*`` primitive (which accepts
 torch tensors and CrypTen tensors alike) or an operator that CrypTen's MPCTensor supports

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["StarfishParams", "Method", "ceil_rate"]
+__all__ = ["StarfishParams", "PAPER", "Method", "ceil_rate"]
 
 Method = Literal["ratio", "divide", "auto"]
 
@@ -66,3 +66,7 @@ class StarfishParams:
     def correction_interval(self, num_rounds: int) -> int:
         """T_c = ceil(beta T), at least 1."""
         return max(1, ceil_rate(self.beta, num_rounds))
+
+
+#: The paper's parameters (Sec. VI-A); every other default in the project refers to these.
+PAPER = StarfishParams()

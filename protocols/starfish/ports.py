@@ -1,7 +1,7 @@
 """The two ports of Stage II: what Starfish reads (History) and whom it asks (CorrectionClients).
 
 Why ports: Stage II (``protocols.starfish.stage2``) runs unchanged on the plaintext lab and on
-the two secure servers (DESIGN.md 4.1). It needs, per round i = 1..T, the public global
+the two secure servers (docs/design.md 4.1). It needs, per round i = 1..T, the public global
 models M_{i-1} and M_i, the participants and their FedAvg weights, and each participant's
 update g_i^j, norm ||g_i^j|| and tolerance threshold delta_i^j; and during the replay, exact
 updates from the remaining clients. The lab implements both ports on plain tensors

@@ -14,7 +14,7 @@ clients for exact updates. Per replayed round t:
    the remaining clients; the aggregate is the only value opened.
 
 Each of the three phases is metered under its name when a meter is given. Works on plain
-and shared values alike (DESIGN.md 4.1).
+and shared values alike (docs/design.md 4.1).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ The T' = ceil(sigma*T) rounds with the largest tau are found by a secure top-k, 
 
 Only the selected round indices are revealed, and they are processed in chronological
 order. Method 1 costs two multiplications per comparison, Method 2 one division per
-round; the cheaper one depends on T (switching threshold T_delta, DESIGN.md 3).
+round; the cheaper one depends on T (switching threshold T_delta, docs/design.md 3).
 
 Several targets: their FedAvg-weighted sum of updates g_i = sum_c w_c g_i^c stands for
 the target set. Its norm is not among the clients' reports, so for that case the keys

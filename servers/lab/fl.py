@@ -1,4 +1,4 @@
-"""The plaintext FedAvg coordinator (Stage I of DESIGN.md 3) that records a History.
+"""The plaintext FedAvg coordinator (Stage I of docs/design.md 3) that records a History.
 
 Why the coordinator does not import ``clients``: in the real system a server talks to
 clients over the network; here a client is anything with the :class:`Participant`

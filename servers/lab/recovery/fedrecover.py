@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from protocols.starfish.params import ceil_rate
+from protocols.starfish.params import PAPER, ceil_rate
 from protocols.starfish.ports import History
 from protocols.starfish.replay import Replay
 from protocols.starfish.update_estimation import Inverse
@@ -101,7 +101,7 @@ class _FedRecoverSchedule:
 class FedRecover(RecoveryMethod):
     name = "fedrecover"
 
-    def __init__(self, buffer: int = 2, warmup: int = 2, beta: float = 0.1,
+    def __init__(self, buffer: int = PAPER.buffer, warmup: int = PAPER.buffer, beta: float = PAPER.beta,
                  correction_period: int | None = None, final_tuning: int = 2,
                  abnormal_alpha: float | None = 0.001, server_lr: float | None = None,
                  inverse: Inverse | None = None, tau_sample: int = 2_000_000) -> None:
