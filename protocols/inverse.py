@@ -48,21 +48,34 @@ steps (2 rounds each, nothing revealed) are available but rarely needed.
 
 ``inverse_newton`` -- Newton-Schulz iteration, reveals nothing
 ---------------------------------------------------------------
-``X_0 = alpha A^T``, ``X <- X (2I - A X)``. It converges (quadratically in the end) iff
-``0 < alpha < 2 / sigma_max(A)^2``. Without a public ``scale`` we compute alpha securely:
-``f = ||A||_F^2 >= sigma_max^2`` (one square round), then the power of two
-``alpha = 2**-(floor(log2 f) + 1)`` in ``(1/(2f), 1/f]`` from one batched comparison of ``f``
-against the public constants ``2**-16 .. 2**15`` (alpha = ``2**16 - sum_j [f >= 2**j] 2**-(j+1)``,
-a public linear combination of the comparison bits, applied to ``A^T`` with one
-multiplication round). Nothing is opened. With ``scale`` (a public upper bound on
-``sigma_max(A)^2``, e.g. a bound on ``||A||_F^2``), ``alpha = 1/scale`` and the setup is local.
+``X <- X (2I - A X)`` converges from ``X_0 = alpha A^T`` iff ``0 < alpha < 2 / sigma_max(A)^2``,
+with initial residual ``1 - alpha sigma_min^2``. At 16 fractional bits ``alpha A^T`` cannot hold
+the small singular directions of an ill-conditioned ``A`` (for ``diag(100, 0.1)``,
+``alpha * 0.1 = 6e-6`` is below the grid, so that direction of the inverse never appears), and
+CrypTen's local truncation fails with probability ``|ring value| / 2**63`` per element, which
+many iterations on wide values make likely. So the iteration runs on a normalised matrix at
+higher precision, with exact truncations (:mod:`mpc.exact_truncation`):
 
-Rounds: setup 1 square + 1 comparison + 1 multiplication (or 0 with ``scale``), then 2
-matrix-multiplication rounds per iteration. The initial residual is at most
-``1 - 1/(2 k cond(A)^2)``; ``iters`` iterations reach ``2**-20`` when
-``2**iters >= 28 k cond(A)^2``. Default ``iters = ceil(log2(28 k)) + 20`` covers
-``cond(A) <= 1000``. Range without ``scale``: ``2**-16 <= ||A||_F^2 < 2**16`` (outside it the
-inverse's entries are not representable to useful precision at 16 fractional bits).
+1. ``f = ||A||_F^2`` (one square round; exact ring value), the bits ``[f >= 2**j]`` for
+   ``j = -16..15`` (one batched comparison) and from them, as exact integer combinations of
+   one-hot bits, ``e = ceil((j + 1) / 2)`` for the ``j`` with ``2**j <= f < 2**(j+1)``;
+2. ``A' = 2**-e A`` (so ``||A'||_F^2 < 1``) held at 30 fractional bits and ``X_0 = A'^T`` at
+   28 bits: the ring integers of ``A`` times a shared power of two (one multiplication round,
+   nothing lost: ``A' `` keeps every bit of ``A``);
+3. each iteration: ``E = 2I - A'X`` (ring product at 58 bits, exactly truncated to 19) and
+   ``X <- X E`` (47 bits, exactly truncated to 28): every ring value stays below ``2**62``
+   because ``A'X`` has eigenvalues in ``(0, 1]`` and ``|X| <= 1/sigma_min(A') <= 2 sqrt(k) cond``;
+4. ``A^-1 = 2**-e X``: one multiplication by a shared power of two and one exact truncation.
+
+With ``X_0 = A'^T`` the initial residual is at most ``1 - 1/(4 k cond^2)``; ``iters`` iterations
+reach ``2**-20`` when ``2**iters >= 56 k cond^2``: default ``ceil(log2(56 k)) + 20`` covers
+``cond(A) <= 1000``. Domain: ``2**-16 <= ||A||_F^2 < 2**16``, ``cond(A) <= 1000``, ``k <= 16``
+(``|X| < 2**15``). Outside it the result is wrong (``||A||_F^2 < 2**-16`` gives 0); the secure
+run cannot tell without revealing, so callers must stay inside it. With ``scale`` (a public
+bound on ``sigma_max(A)^2`` in ``[2**-16, 2**16]``) ``e`` is public and step 1 is skipped.
+Rounds: 1 + 8 + 1 (setup; 0 with ``scale``), 18 per iteration (two matrix products, two exact
+truncations), 9 at the end: 523 for 4 x 4. Nothing is opened but the one-time pads of the
+sub-protocols.
 
 Plaintext twins: ``inverse_masked`` returns ``torch.linalg.inv`` (float64); ``inverse_newton``
 runs the same iteration (same alpha rule, same ``iters``) in float64.
@@ -77,6 +90,8 @@ from typing import Optional
 import torch
 
 from mpc.crypten_compat import crypten
+
+from mpc.exact_truncation import truncate_exact
 
 from . import backend as B
 from .backend import Tensor
@@ -182,30 +197,62 @@ def inverse_masked(a: Tensor, mask_scale: float = 1.0, refine: int = 0,
 
 def default_newton_iters(k: int) -> int:
     """Iterations reaching a ``2**-20`` residual for ``cond(A) <= 1000`` (see docstring)."""
-    return math.ceil(math.log2(28 * k)) + 20
+    return math.ceil(math.log2(56 * k)) + 20
 
 
 def _transpose(a: Tensor) -> Tensor:
     return a.transpose(-1, -2)
 
 
-def _alpha_plain(a: torch.Tensor) -> torch.Tensor:
-    f = (a * a).sum((-1, -2))
-    bits = (f.unsqueeze(-1) >= torch.pow(2.0, _ALPHA_EXPONENTS)).to(torch.float64)
-    coeff = torch.pow(2.0, -(_ALPHA_EXPONENTS + 1))
-    return 2.0 ** 16 - (bits * coeff).sum(-1)
+def _exponent(j: torch.Tensor) -> torch.Tensor:
+    """e = ceil((j + 1) / 2) for f in [2**j, 2**(j+1)): then 2**(-2e) f < 1."""
+    return torch.div(j + 2, 2, rounding_mode="floor")
 
 
-def _initial_guess_shared(a: Tensor) -> Tensor:
-    f = B.truncate_raw(B.raw_square(a).sum((-1, -2)))
-    thresholds = torch.pow(2.0, _ALPHA_EXPONENTS)
-    bits = ge(f.unsqueeze(-1), thresholds)  # (..., J), one comparison round
-    # alpha's ring integer 2**32 - sum_j bit_j 2**(15-j): the bits are scale-1 ring integers,
-    # so multiplying them by integer weights is exact and local.
-    weights = torch.pow(2.0, 15 - _ALPHA_EXPONENTS).to(torch.long)
-    alpha_ring = -(bits * weights).sum(-1) + (1 << 32)
-    alpha = B.relabel(alpha_ring, B.frac_bits())
-    return _transpose(a) * alpha.unsqueeze(-1).unsqueeze(-1)  # one Beaver round
+def _public_exponent(scale: float) -> int:
+    if not 2.0 ** -16 <= scale <= 2.0 ** 16:
+        raise ValueError(f"scale must be in [2**-16, 2**16], got {scale}")
+    return int(_exponent(torch.tensor(math.floor(math.log2(scale)))))
+
+
+def _newton_plain(a: torch.Tensor, iters: int, scale: Optional[float]) -> torch.Tensor:
+    """The twin: the same normalisation and iteration in float64."""
+    if scale is not None:
+        e = torch.full(a.shape[:-2], float(_public_exponent(scale)), dtype=torch.float64)
+        inside = torch.ones(a.shape[:-2], dtype=torch.bool)
+    else:
+        f = (a * a).sum((-1, -2))
+        inside = f >= 2.0 ** _ALPHA_EXPONENTS[0]
+        j = torch.floor(torch.log2(torch.where(inside, f, torch.ones_like(f))))
+        e = _exponent(j.clamp(max=float(_ALPHA_EXPONENTS[-1])))
+    beta = torch.pow(2.0, -e)[..., None, None]
+    a1 = a * beta
+    x = _transpose(a1)
+    eye2 = 2.0 * torch.eye(a.shape[-1], dtype=torch.float64)
+    for _ in range(iters):
+        x = x @ (eye2 - a1 @ x)
+    return torch.where(inside[..., None, None], x * beta, torch.zeros_like(x))
+
+
+# fractional bits of the normalised matrix, of X, of E = 2I - A'X (docstring, step 3)
+_A_BITS, _X_BITS, _E_BITS = 30, 28, 19
+
+
+def _power_multipliers(a: Tensor, scale: Optional[float], offsets: tuple[int, ...]) -> list:
+    """2**(offset - e) per matrix for each offset: shared (from one comparison) or public."""
+    if scale is not None:
+        e = _public_exponent(scale)
+        return [torch.tensor(1 << (o - e), dtype=torch.long) for o in offsets]
+    f_raw = B.raw_square(a).sum((-1, -2))  # ring: ||A_enc||^2, read at scale 2**F as f 2**F
+    thresholds = torch.pow(2.0, _ALPHA_EXPONENTS + B.frac_bits())
+    bits = ge(f_raw.unsqueeze(-1), thresholds)  # (..., J) scale-1 bits [f >= 2**j]
+    onehot = bits - B.cat([bits[..., 1:], bits[..., :1] * 0], dim=-1)  # b_j - b_{j+1}
+    e = _exponent(_ALPHA_EXPONENTS.to(torch.long))
+    return [(onehot * torch.pow(2, o - e).to(torch.long)).sum(-1) for o in offsets]
+
+
+def _ring_matmul_truncated(x: Tensor, y: Tensor, drop: int) -> Tensor:
+    return truncate_exact(B.raw_matmul(x, y), drop)
 
 
 def inverse_newton(a: Tensor, iters: Optional[int] = None, scale: Optional[float] = None
@@ -218,21 +265,19 @@ def inverse_newton(a: Tensor, iters: Optional[int] = None, scale: Optional[float
     iters = default_newton_iters(k) if iters is None else int(iters)
     if not B.is_shared(a):
         a = torch.as_tensor(a)
-        out_dtype = B.float_dtype(a)
-        a = a.to(torch.float64)
-        if scale is not None:
-            x = _transpose(a) / float(scale)
-        else:
-            x = _transpose(a) * _alpha_plain(a)[..., None, None]
-        eye2 = 2.0 * torch.eye(k, dtype=torch.float64)
-        for _ in range(iters):
-            x = x @ (eye2 - a @ x)
-        return x.to(out_dtype)
-    if scale is not None:
-        x = _transpose(a) * (1.0 / float(scale))
+        return _newton_plain(a.to(torch.float64), iters, scale).to(B.float_dtype(a))
+    F = B.frac_bits()
+    m_a, m_x, m_out = _power_multipliers(a, scale, (_A_BITS - F, _X_BITS - F, F + 20 - _X_BITS))
+    ring_a = B.relabel(a, 0)
+    if B.is_shared(m_a):
+        both = B.stack([ring_a, _transpose(ring_a)]) * B.stack([m_a, m_x]).unsqueeze(-1).unsqueeze(-1)
+        a1, x = both[0], both[1]
     else:
-        x = _initial_guess_shared(a)
-    eye2 = 2.0 * torch.eye(k, dtype=torch.float64)
+        a1, x = ring_a * m_a, _transpose(ring_a) * m_x
+    two = torch.eye(k, dtype=torch.long) * (2 << _E_BITS)
     for _ in range(iters):
-        x = x.matmul((-a.matmul(x)) + eye2)
-    return x
+        prod = _ring_matmul_truncated(a1, x, _A_BITS + _X_BITS - _E_BITS)
+        e_mat = -B.relabel(prod, 0) + two
+        x = B.relabel(_ring_matmul_truncated(x, e_mat, _E_BITS), 0)
+    out = truncate_exact(B.relabel(x, 0) * (m_out.unsqueeze(-1).unsqueeze(-1) if B.is_shared(m_out) else m_out), 20)
+    return B.relabel(out, F)
