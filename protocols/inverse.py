@@ -59,13 +59,15 @@ higher precision, with exact truncations (:mod:`mpc.exact_truncation`):
 1. ``f = ||A||_F^2`` (one square round; exact ring value), the bits ``[f >= 2**j]`` for
    ``j = -16..15`` (one batched comparison) and from them, as exact integer combinations of
    one-hot bits, ``e = ceil((j + 1) / 2)`` for the ``j`` with ``2**j <= f < 2**(j+1)``;
-2. ``A' = 2**-e A`` (so ``||A'||_F^2 < 1``) held at 30 fractional bits and ``X_0 = A'^T`` at
-   28 bits: the ring integers of ``A`` times a shared power of two (one multiplication round,
-   nothing lost: ``A' `` keeps every bit of ``A``);
-3. each iteration: ``E = 2I - A'X`` (ring product at 58 bits, exactly truncated to 19) and
-   ``X <- X E`` (47 bits, exactly truncated to 28): every ring value stays below ``2**62``
+2. ``A' = 2**-e A`` (so ``||A'||_F^2 < 1``) and ``X_0 = A'^T``, both held at 24 fractional
+   bits: the ring integers of ``A`` times the shared power of two ``2**(8 - e)`` (one
+   multiplication round; ``A'`` keeps every bit of ``A``, and X_0's smallest singular
+   direction, ``>= 1 / (2 sqrt(k) cond)``, has thousands of units);
+3. each iteration: ``E = 2I - A'X`` (ring product at 48 bits, exactly truncated to 16) and
+   ``X <- X E`` (40 bits, exactly truncated to 24): every ring value stays below ``2**62``
    because ``A'X`` has eigenvalues in ``(0, 1]`` and ``|X| <= 1/sigma_min(A') <= 2 sqrt(k) cond``;
-4. ``A^-1 = 2**-e X``: one multiplication by a shared power of two and one exact truncation.
+   all truncations are by powers of two, where the exact truncation needs one comparison circuit;
+4. ``A^-1 = 2**-e X``: ``X`` times the same ``2**(8 - e)``, exactly truncated by 16 bits.
 
 With ``X_0 = A'^T`` the initial residual is at most ``1 - 1/(4 k cond^2)``; ``iters`` iterations
 reach ``2**-20`` when ``2**iters >= 56 k cond^2``: default ``ceil(log2(56 k)) + 20`` covers
@@ -85,7 +87,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -234,21 +236,21 @@ def _newton_plain(a: torch.Tensor, iters: int, scale: Optional[float]) -> torch.
     return torch.where(inside[..., None, None], x * beta, torch.zeros_like(x))
 
 
-# fractional bits of the normalised matrix, of X, of E = 2I - A'X (docstring, step 3)
-_A_BITS, _X_BITS, _E_BITS = 30, 28, 19
+# fractional bits of A' = 2**-e A and of X, and of E = 2I - A'X (docstring, steps 2-3)
+_AX_BITS, _E_BITS = 24, 16
+_SHIFT = 8  # A' and X_0 are A's ring integers times 2**(_SHIFT - e), e in [-7, 8]
 
 
-def _power_multipliers(a: Tensor, scale: Optional[float], offsets: tuple[int, ...]) -> list:
-    """2**(offset - e) per matrix for each offset: shared (from one comparison) or public."""
+def _power_of_two(a: Tensor, scale: Optional[float]) -> Any:
+    """2**(_SHIFT - e) per matrix: shared (from one batched comparison) or public."""
     if scale is not None:
-        e = _public_exponent(scale)
-        return [torch.tensor(1 << (o - e), dtype=torch.long) for o in offsets]
+        return torch.tensor(1 << (_SHIFT - _public_exponent(scale)), dtype=torch.long)
     f_raw = B.raw_square(a).sum((-1, -2))  # ring: ||A_enc||^2, read at scale 2**F as f 2**F
     thresholds = torch.pow(2.0, _ALPHA_EXPONENTS + B.frac_bits())
     bits = ge(f_raw.unsqueeze(-1), thresholds)  # (..., J) scale-1 bits [f >= 2**j]
     onehot = bits - B.cat([bits[..., 1:], bits[..., :1] * 0], dim=-1)  # b_j - b_{j+1}
     e = _exponent(_ALPHA_EXPONENTS.to(torch.long))
-    return [(onehot * torch.pow(2, o - e).to(torch.long)).sum(-1) for o in offsets]
+    return (onehot * torch.pow(2, _SHIFT - e).to(torch.long)).sum(-1)
 
 
 def _ring_matmul_truncated(x: Tensor, y: Tensor, drop: int) -> Tensor:
@@ -267,17 +269,17 @@ def inverse_newton(a: Tensor, iters: Optional[int] = None, scale: Optional[float
         a = torch.as_tensor(a)
         return _newton_plain(a.to(torch.float64), iters, scale).to(B.float_dtype(a))
     F = B.frac_bits()
-    m_a, m_x, m_out = _power_multipliers(a, scale, (_A_BITS - F, _X_BITS - F, F + 20 - _X_BITS))
-    ring_a = B.relabel(a, 0)
-    if B.is_shared(m_a):
-        both = B.stack([ring_a, _transpose(ring_a)]) * B.stack([m_a, m_x]).unsqueeze(-1).unsqueeze(-1)
-        a1, x = both[0], both[1]
-    else:
-        a1, x = ring_a * m_a, _transpose(ring_a) * m_x
+    if F + _SHIFT != _AX_BITS:
+        raise ValueError(f"inverse_newton is laid out for {_AX_BITS - _SHIFT} fractional bits, not {F}")
+    m = _power_of_two(a, scale)
+    if B.is_shared(m):
+        m = m.unsqueeze(-1).unsqueeze(-1)
+    a1 = B.relabel(a, 0) * m                 # A' at 24 bits (ring product, no truncation)
+    x = _transpose(a1)
     two = torch.eye(k, dtype=torch.long) * (2 << _E_BITS)
     for _ in range(iters):
-        prod = _ring_matmul_truncated(a1, x, _A_BITS + _X_BITS - _E_BITS)
+        prod = _ring_matmul_truncated(a1, x, 2 * _AX_BITS - _E_BITS)
         e_mat = -B.relabel(prod, 0) + two
         x = B.relabel(_ring_matmul_truncated(x, e_mat, _E_BITS), 0)
-    out = truncate_exact(B.relabel(x, 0) * (m_out.unsqueeze(-1).unsqueeze(-1) if B.is_shared(m_out) else m_out), 20)
+    out = truncate_exact(x * m, _AX_BITS - F + _SHIFT)  # X 2**(8-e) / 2**16 = 2**-e X at F bits
     return B.relabel(out, F)
