@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 __all__ = ["Secret", "RoundRecord", "History", "CorrectionClients", "check_record",
-           "remaining_clients"]
+           "remaining_clients", "require_full_participation"]
 
 #: A plain torch tensor (plaintext lab) or a secret-shared tensor (CrypTen MPCTensor).
 Secret = Any
@@ -141,3 +141,13 @@ def remaining_clients(history: History, targets: Iterable[int]) -> list[int]:
     if not rest:
         raise ValueError("no client would remain after unlearning")
     return rest
+
+
+def require_full_participation(history: History, clients: Iterable[int], method: str) -> None:
+    """Refuse a history in which one of ``clients`` missed a round (the replay needs every update)."""
+    wanted = list(clients)
+    for i in range(1, history.num_rounds + 1):
+        missing = [j for j in wanted if j not in history.participants(i)]
+        if missing:
+            raise NotImplementedError(f"{method} here assumes full participation: clients {missing} "
+                                      f"missed round {i}")

@@ -35,7 +35,7 @@ import torch
 
 from .backend import stack, to_compute
 from .params import StarfishParams
-from .ports import CorrectionClients, History, remaining_clients
+from .ports import CorrectionClients, History, remaining_clients, require_full_participation
 from .replay import ProgressFn, Replay, no_meter
 from .round_selection import starfish_select
 from .threshold_check import check_thresholds
@@ -118,9 +118,7 @@ def run_stage2(
     targets = sorted(set(targets))
     rest = remaining_clients(history, targets)
     T = history.num_rounds
-    for i in range(1, T + 1):
-        if any(j not in history.participants(i) for j in rest):
-            raise NotImplementedError("Starfish here assumes full participation of the remaining clients")
+    require_full_participation(history, rest, "Starfish")
     eta = params.server_lr if params.server_lr is not None else history.server_lr
 
     with meter("TD"):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from protocols.starfish.params import PAPER, ceil_rate
-from protocols.starfish.ports import History
+from protocols.starfish.ports import History, require_full_participation
 from protocols.starfish.replay import Replay
 from protocols.starfish.update_estimation import Inverse
 
@@ -121,9 +121,7 @@ class FedRecover(RecoveryMethod):
         rest = remaining_clients(history, targets)
         pool = ClientPool(participants, rest)
         T = history.num_rounds
-        for t in range(1, T + 1):
-            if any(j not in history.participants(t) for j in rest):
-                raise NotImplementedError("FedRecover here assumes full participation")
+        require_full_participation(history, rest, "FedRecover")
         eta = self.server_lr if self.server_lr is not None else history.server_lr
         tc = self.correction_period or max(1, ceil_rate(self.beta, T))
         cost = CostRecord(self.name, T, selected_rounds=list(range(1, T + 1)))
