@@ -19,9 +19,22 @@ round; the cheaper one depends on T (switching threshold T_delta, docs/design.md
 
 Several targets: their FedAvg-weighted sum of updates g_i = sum_c w_c g_i^c stands for
 the target set. Its norm is not among the clients' reports, so for that case the keys
-are (u|u|, ||g||^2 ||dM||^2): x -> x|x| is increasing, so sorting by u|u|/(||g||^2 ||dM||^2)
-equals sorting by tau, and ||g||^2 = <g, g> needs no square root (the squared comparison
-of the paper's Appendix C, with the sign kept by |u|).
+are (u|u|, ||g||^2): x -> x|x| is increasing, so sorting by u|u|/||g||^2 equals sorting by
+tau, and ||g||^2 = <g, g> needs no square root (the squared comparison of the paper's
+Appendix C, with the sign kept by |u|).
+
+Keeping the keys inside the primitives' domains (the caller's job, not the primitives'):
+
+* the public step is normalised first, u_i = <g_i, dM_i / ||dM_i||> (local), so the keys do
+  not carry the scale of the global step;
+* then :func:`normalize_keys` divides both keys of a round by the same secret power of two
+  2**t, t = floor(log2 v) + 1, found with one batched comparison of v against 2**-16..2**43:
+  afterwards v is in [1/2, 1) and |u| <= 1, inside the domain of ``divide`` (|v| in
+  [2**-16, 2**16)) and of the ratio comparator (|u1 v2| < 2**30 / n) whatever the norms were.
+  The ratio u/v is unchanged (up to one unit of 2**-16 in u). Valid for 2**-16 <= v < 2**44
+  (||g|| below 2**22 for several targets; a reported norm below 2**44 for one). A round with
+  v < 2**-16 (the targets' update is numerically zero) gets the keys (0, 1), i.e. similarity 0,
+  in 2PC and in the plaintext twin alike.
 """
 
 from __future__ import annotations
@@ -33,6 +46,9 @@ from typing import Any, Literal
 
 import torch
 
+from mpc.exact_truncation import truncate_exact
+from protocols import backend as B
+from protocols.compare import ge, select
 from protocols.division import divide
 from protocols.inner_product import inner
 from protocols.sort import ratio_comparator, top_k
@@ -41,7 +57,8 @@ from .backend import is_secret, stack, to_compute, weighted_sum
 from .params import Method, StarfishParams
 from .ports import History
 
-__all__ = ["num_selected", "selection_keys", "select_rounds", "combine_targets", "starfish_select",
+__all__ = ["num_selected", "selection_keys", "normalize_keys", "select_rounds", "combine_targets",
+           "starfish_select",
            "choose_method", "default_t_delta", "t_delta_from", "predicted_seconds",
            "T_DELTA_TABLE", "LINK_PROFILES", "DEFAULT_T_DELTA"]
 
@@ -132,20 +149,55 @@ def selection_keys(target_updates: Any, model_deltas: torch.Tensor,
 
     ``target_updates``: (T, m) shared or plain; ``model_deltas``: (T, m) public
     M_i - M_{i-1}; ``target_norms``: (T,) the reported ||g_i^t||, or None for a combined
-    multi-target update (then the squared keys described in the module docstring).
-    A round whose global step is exactly zero gets ||dM|| := 1 (u is 0 there anyway),
-    so v never vanishes because of public data.
+    multi-target update (then the squared keys described in the module docstring). The
+    public step enters as a unit vector (a round whose step is exactly zero keeps its zero
+    vector: u is 0 there). Not yet normalised: see :func:`normalize_keys`.
     """
     dm = model_deltas
     if not is_secret(target_updates):
         dm = dm.to(torch.as_tensor(target_updates).dtype)
-    dnorm = dm.norm(dim=-1)
-    dnorm = torch.where(dnorm > 0, dnorm, torch.ones_like(dnorm))
-    u = inner(target_updates, dm, dim=-1)
+    dnorm = dm.norm(dim=-1, keepdim=True)
+    unit = dm / torch.where(dnorm > 0, dnorm, torch.ones_like(dnorm))
+    u = inner(target_updates, unit, dim=-1)
     if target_norms is not None:
-        return u, target_norms * dnorm
+        return u, target_norms
     sq = inner(target_updates, target_updates, dim=-1)
-    return u * u.abs(), sq * (dnorm * dnorm)
+    if not is_secret(u):
+        return u * u.abs(), sq
+    square = u * u
+    return select(ge(u, 0.0), square, -square), sq
+
+
+#: v is compared with 2**j for these j; t = j + 1 for the j with 2**j <= v < 2**(j+1)
+_KEY_EXPONENTS = torch.arange(-16, 44)
+_KEY_SHIFT = 44  # u, v times 2**(44 - t) keep |ring value| <= 2**62 while |u| <= 4 v
+
+
+def normalize_keys(u: Any, v: Any) -> tuple[Any, Any]:
+    """(u, v) / 2**t with t = floor(log2 v) + 1, per round; (0, 1) where v < 2**-16.
+
+    2PC: one batched comparison (T x 60 elements), one multiplication round, one exact
+    truncation (:mod:`mpc.exact_truncation`) of 2T elements. Requires v < 2**44 and |u| <= v
+    up to rounding (true for cosine keys by Cauchy-Schwarz). Opens nothing.
+    """
+    if not (is_secret(u) or is_secret(v)):
+        u = torch.as_tensor(u, dtype=torch.float64)
+        v = torch.as_tensor(v, dtype=torch.float64)
+        inside = v >= 2.0 ** int(_KEY_EXPONENTS[0])
+        j = torch.floor(torch.log2(torch.where(inside, v, torch.ones_like(v))))
+        scale = torch.pow(2.0, -(j.clamp(max=float(_KEY_EXPONENTS[-1])) + 1))
+        return (torch.where(inside, u * scale, torch.zeros_like(u)),
+                torch.where(inside, v * scale, torch.ones_like(v)))
+    u, v = B.to_shared_like(u), B.to_shared_like(v)
+    bits = ge(v.unsqueeze(-1), torch.pow(2.0, _KEY_EXPONENTS.to(torch.float64)))
+    onehot = bits - B.cat([bits[..., 1:], bits[..., :1] * 0], dim=-1)   # [2**j <= v < 2**(j+1)]
+    weights = torch.pow(2, _KEY_SHIFT - (_KEY_EXPONENTS + 1)).to(torch.long)
+    mult = (onehot * weights).sum(-1)                                   # 2**(44 - t), scale 1
+    both = B.relabel(B.stack([u, v]), 0) * B.stack([mult, mult])
+    scaled = B.relabel(truncate_exact(both, _KEY_SHIFT), B.frac_bits())
+    below = -bits[..., 0] + 1                                           # 1 where v < 2**-16
+    one = B.relabel(below * (1 << B.frac_bits()), B.frac_bits())        # 1.0 there, else 0
+    return scaled[0], scaled[1] + one
 
 
 def select_rounds(u: Any, v: Any, k: int, method: Method = "auto",
@@ -194,4 +246,5 @@ def starfish_select(history: History, targets: Sequence[int], k: int, params: St
             per_round.append(combine_targets([to_compute(history.update(i, t)) for t in targets],
                                              [x / total for x in wt]))
         u, v = selection_keys(stack(per_round), dm, None)
+    u, v = normalize_keys(u, v)
     return select_rounds(u, v, k, params.method, params.t_delta)
