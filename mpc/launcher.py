@@ -57,7 +57,8 @@ def ephemeral_keys() -> str:
     return _KEYS_DIR
 
 
-def _context():
+def mp_context():
+    """The multiprocessing context of the parties (queues passed to them must come from it)."""
     method = os.environ.get("STARFISH_START_METHOD", "forkserver")
     ctx = mp.get_context(method)
     if method == "forkserver":
@@ -137,7 +138,7 @@ def run_parties(
     if prov is None:
         raise ValueError(f"provider must be 'dealer' or 'tfp', not {provider!r}")
     keys_dir = keys_dir or ephemeral_keys()
-    ctx = _context()
+    ctx = mp_context()
     ports, results = ctx.Queue(), ctx.Queue()
     procs: list[mp.Process] = []
     t0 = time.perf_counter()
