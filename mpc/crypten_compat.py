@@ -22,9 +22,13 @@ CrypTen has one file to review.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 _STUB_NAME = "crypten.nn.onnx_converter"
 
@@ -73,6 +77,7 @@ __all__ = [
     "use_provider",
     "seed_generators",
     "restricted_loads",
+    "observe_truncations",
 ]
 
 from crypten.encoder import FixedPointEncoder  # noqa: E402
@@ -149,3 +154,34 @@ def seed_generators() -> None:
 def restricted_loads(buf: bytes) -> Any:
     """Unpickle a peer's object with CrypTen's allow-list unpickler (no arbitrary code)."""
     return _serial.restricted_loads(buf)
+
+
+@contextlib.contextmanager
+def observe_truncations(callback: Any) -> Iterator[None]:
+    """Audit only: call ``callback(ring_values, divisor)`` before every two-party local truncation.
+
+    CrypTen divides a sharing by a public integer by dividing each party's share locally
+    (``ArithmeticSharedTensor.div_``), which is wrong by about 2**64 / divisor with probability
+    about |x| / 2**64 per element. To measure that risk, the wrapper *opens* x (an extra
+    exchange of the shares, so it reveals the values: never inside a deployment) and hands the
+    ring integers to ``callback``. Both parties must run the same code, as they do.
+    """
+    original = ArithmeticSharedTensor.div_
+
+    def div_(self: Any, y: Any) -> Any:
+        d = y
+        if isinstance(d, float) and int(d) == d:
+            d = int(d)
+        if torch.is_tensor(d) and d.is_floating_point() and d.frac().eq(0).all():
+            d = d.long()
+        integer = isinstance(d, int) or (torch.is_tensor(d) and not d.is_floating_point())
+        if integer and crypten.communicator.get().get_world_size() == 2:
+            opened = crypten.communicator.get().all_reduce(self.share.clone())
+            callback(opened, d)
+        return original(self, y)
+
+    ArithmeticSharedTensor.div_ = div_
+    try:
+        yield
+    finally:
+        ArithmeticSharedTensor.div_ = original

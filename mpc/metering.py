@@ -82,6 +82,11 @@ class Meter:
                 self._steps[full]["seconds"] += dt
                 self.epoch += 1
 
+    def open_steps(self) -> tuple[str, ...]:
+        """The steps open now, outermost first (``("UE", "UE/inv")``)."""
+        with self._lock:
+            return tuple(self._stack)
+
     def as_dict(self) -> dict:
         """Totals, per-step rows and TLS wire bytes; plain ints/floats (JSON-ready)."""
         with self._lock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import lab, primitives, rs_switch, runtime, scaling, steps, unlearning
+from bench import lab, primitives, rs_switch, runtime, scaling, steps, truncation, unlearning
 from mpc import tls
 from starfish import demo, service_commands
 
@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                                             "per step, memory, socket bytes, targets")
     unlearning.add_arguments(bu)
     bu.set_defaults(func=lambda a: unlearning.main(args=a))
+    btr = bsub.add_parser("truncation", help="audit of one Stage II: local truncations, their magnitudes and "
+                                             "the expected number of wraps")
+    truncation.add_arguments(btr)
+    btr.set_defaults(func=lambda a: truncation.main(args=a))
     bsc = bsub.add_parser("scaling", help="cost of one unlearning round vs clients, model size and rounds; PNG plots")
     scaling.add_arguments(bsc)
     bsc.set_defaults(func=lambda a: scaling.main(args=a))
