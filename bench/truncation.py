@@ -10,7 +10,8 @@ largest |ring value| seen, and the expected number of wraps sum (|x| + 1) / 2**6
 the probability that the run returns a wrong coordinate (a wrap in a value that is opened or
 compared anyway is one too).
 
-    starfish bench truncation --config mnist --out out/truncation-mnist.json
+    starfish bench truncation --config mnist --truncation local   # CrypTen's local truncation
+    starfish bench truncation --config mnist                      # the default: wrap-free
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="synthetic history shapes (default mnist: the paper's CNN, 20 clients, 40 rounds)")
     p.add_argument("--rs-method", default="auto", choices=("auto", "ratio", "divide"),
                    help="round-selection method (auto: the LAN T_delta)")
+    p.add_argument("--truncation", default="wrapfree", choices=("wrapfree", "local"),
+                   help="the parties' truncation: wrapfree (the default everywhere: none is local, so "
+                        "nothing can wrap) or local (CrypTen's share division, to measure its risk)")
     p.add_argument("--cache-dir", default="out/bench-cache", help="where the synthetic history is kept")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a party waits for its peer")
     p.add_argument("--out", default=None, help="JSON output (default out/truncation-<config>.json)")
@@ -89,7 +93,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     print(f"truncation audit: one Stage II on {cfg.name} ({cfg.note}), every truncation opened ...",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    res = run_parties(_program, cfg.to_json(), str(data_path), args.rs_method, timeout=args.timeout)
+    res = run_parties(_program, cfg.to_json(), str(data_path), args.rs_method, timeout=args.timeout,
+                      truncation=args.truncation)
     seconds = time.perf_counter() - t0
     rows = res.values[0]["rows"]
     table, total_el, total_wraps = [], 0, 0.0
@@ -103,7 +108,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     p_run = min(1.0, total_wraps)
     verdict = "above" if total_wraps > TARGET_PROBABILITY else "below"
     text = "\n".join([
-        f"## starfish bench truncation: config {cfg.name}; local two-party truncations of one Stage II",
+        f"## starfish bench truncation: config {cfg.name}; local two-party truncations of one Stage II "
+        f"(--truncation {args.truncation})",
         "expected wraps = sum over truncated elements of (|x| + 1) / 2**64 (x: the ring integer), an upper "
         "bound on the probability that the run contains a wrapped value",
         "",
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     print(text)
     out = args.out or f"out/truncation-{cfg.name}.json"
     path = write_json(out, {"machine": machine_info(), "benchmark": "truncation", "config": cfg.to_json(),
-                            "rows": rows, "total_elements": total_el, "expected_wraps": total_wraps,
+                            "truncation": args.truncation, "rows": rows, "total_elements": total_el, "expected_wraps": total_wraps,
                             "probability_bound": p_run, "seconds": seconds,
                             "selected_rounds": res.values[0]["selected_rounds"], "markdown": text})
     Path(path).with_suffix(".md").write_text(text + "\n")

@@ -30,7 +30,7 @@ from .prg import Prg
 # Ops for which a party may ask for a Beaver triple c = op(a, b); torch computes them
 # on int64 with wrap-around, which is arithmetic mod 2^64.
 TRIPLE_OPS = ("mul", "matmul", "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d")
-KINDS = ("triple", "square", "binary_triple", "wrap_rng", "b2a_rng", "edabit")
+KINDS = ("triple", "square", "binary_triple", "wrap_rng", "b2a_rng", "edabit", "trunc_pair")
 MAX_ELEMENTS = 1 << 31  # per tensor in one request; a bound against absurd requests
 
 
@@ -72,6 +72,11 @@ def make_request(kind: str, *args: Any, **kwargs: Any) -> tuple:
         if not 1 <= bits <= 64:
             raise RequestError(f"edabit width must be 1..64, got {bits}")
         return ("edabit", _size(args[0]), bits)
+    if kind == "trunc_pair":
+        lo, hi = int(args[1]), int(args[2])
+        if not 1 <= lo <= hi <= 62:
+            raise RequestError(f"truncation pairs for 1 <= lo <= hi <= 62 bits, got {lo}..{hi}")
+        return ("trunc_pair", _size(args[0]), lo, hi)
     raise RequestError(f"unknown request kind {kind!r}")
 
 
@@ -90,6 +95,10 @@ def validate(req: Any) -> tuple:
         if len(req) != 3 or not isinstance(req[2], int):
             raise RequestError(f"malformed edabit request {req!r:.200}")
         return make_request("edabit", req[1], req[2])
+    if req[0] == "trunc_pair":
+        if len(req) != 4 or not isinstance(req[2], int) or not isinstance(req[3], int):
+            raise RequestError(f"malformed trunc_pair request {req!r:.200}")
+        return make_request("trunc_pair", req[1], req[2], req[3])
     return make_request(req[0], req[1])
 
 
@@ -155,6 +164,8 @@ def party0_shares(req: tuple, seed0: bytes, index: int) -> tuple[torch.Tensor, .
         return _t(g.ring(req[1])), _t(g.bits(req[1]))  # (arithmetic rA0, binary rB0)
     if kind == "edabit":
         return _t(g.ring(req[1])), _t(g.ring(_plane_shape(req)))  # (arithmetic r0, planes of r, share 0)
+    if kind == "trunc_pair":  # shares of r, msb(r), and r >> d for d = lo..hi (stacked)
+        return _t(g.ring(req[1])), _t(g.ring(req[1])), _t(g.ring((req[3] - req[2] + 1, *req[1])))
     raise RequestError(kind)
 
 
@@ -174,6 +185,8 @@ def party1_free_shares(req: tuple, seed1: bytes, index: int) -> tuple[torch.Tens
         return (_t(g.bits(req[1])),)  # binary rB1
     if kind == "edabit":
         return (_t(g.ring(_plane_shape(req))),)  # planes of r, share 1
+    if kind == "trunc_pair":
+        return (_t(g.ring(req[1])),)  # share 1 of r; r itself is whatever the shares add to
     raise RequestError(kind)
 
 
@@ -199,6 +212,12 @@ def correction(req: tuple, seed0: bytes, seed1: bytes, index: int) -> torch.Tens
         n = int(np.prod(req[1], dtype=np.int64))
         r = bitplanes.from_planes(p0[1] ^ p1[0], n).reshape(req[1])
         return r - p0[0]
+    if kind == "trunc_pair":
+        r = p0[0] + p1[0]
+        top = (r >> 63) & 1
+        highs = torch.stack([(r >> d) & ((1 << (64 - d)) - 1)   # logical shifts of the unsigned r
+                             for d in range(req[2], req[3] + 1)])
+        return torch.cat([(top - p0[1]).unsqueeze(0), highs - p0[2]])
     raise RequestError(kind)
 
 
@@ -212,6 +231,8 @@ def party1_shares(req: tuple, seed1: bytes, index: int, corr: torch.Tensor) -> t
         return free[0], corr
     if kind in ("b2a_rng", "edabit"):
         return corr, free[0]
+    if kind == "trunc_pair":
+        return free[0], corr[0], corr[1:]
     raise RequestError(kind)
 
 
@@ -225,4 +246,6 @@ def correction_shape(req: tuple) -> tuple[int, ...]:
         return _op_result_shape(req)
     if req[0] == "binary_triple":
         return tuple(np.broadcast_shapes(req[1], req[2]))
+    if req[0] == "trunc_pair":
+        return (req[3] - req[2] + 2, *req[1])
     return req[1]

@@ -78,6 +78,7 @@ __all__ = [
     "seed_generators",
     "restricted_loads",
     "observe_truncations",
+    "replace_local_truncation",
 ]
 
 from crypten.encoder import FixedPointEncoder  # noqa: E402
@@ -156,32 +157,69 @@ def restricted_loads(buf: bytes) -> Any:
     return _serial.restricted_loads(buf)
 
 
+# ------------------------------------------------------------------ two-party truncation
+# CrypTen divides a sharing by a public integer by dividing each party's share locally
+# (``ArithmeticSharedTensor.div_``): wrong by about 2**64 / divisor with probability about
+# |x| / 2**64 per element. ``replace_local_truncation`` routes powers of two (every fixed-point
+# product ends with one) to a protocol that cannot wrap (``mpc.truncation``); other divisors
+# are refused then. ``observe_truncations`` (audit only) sees the local ones that remain.
+_ORIGINAL_DIV = ArithmeticSharedTensor.div_
+_wrapfree_truncation: Any = None
+_truncation_observers: list = []
+
+
+def _integer_divisor(y: Any) -> Any:
+    if isinstance(y, float) and int(y) == y:
+        return int(y)
+    if torch.is_tensor(y) and y.is_floating_point() and y.frac().eq(0).all():
+        return y.long()
+    return y
+
+
+def _power_of_two_exponents(d: Any) -> Any:
+    """log2 of a positive power-of-two divisor (int or int tensor), else None."""
+    t = torch.as_tensor(d)
+    if bool((t <= 0).any()) or bool(((t & (t - 1)) != 0).any()):
+        return None
+    return torch.log2(t.double()).round().long()
+
+
+def _div_(self: Any, y: Any) -> Any:
+    d = _integer_divisor(y)
+    integer = isinstance(d, int) or (torch.is_tensor(d) and not d.is_floating_point())
+    if integer and crypten.communicator.get().get_world_size() == 2:
+        if _wrapfree_truncation is not None:
+            exps = _power_of_two_exponents(d)
+            if exps is None:
+                raise ValueError(f"two-party division by {d!r}: only powers of two have a truncation "
+                                 "that cannot wrap")
+            if exps.dim() or int(exps):
+                self.share = _wrapfree_truncation(self.share, exps if exps.dim() else int(exps))
+            return self
+        for observe in _truncation_observers:
+            observe(crypten.communicator.get().all_reduce(self.share.clone()), d)
+    return _ORIGINAL_DIV(self, y)
+
+
+ArithmeticSharedTensor.div_ = _div_
+
+
+def replace_local_truncation(fn: Any) -> None:
+    """Every later two-party ``div_`` by a power of two 2**d runs ``fn(share, d)``; None restores."""
+    global _wrapfree_truncation
+    _wrapfree_truncation = fn
+
+
 @contextlib.contextmanager
 def observe_truncations(callback: Any) -> Iterator[None]:
-    """Audit only: call ``callback(ring_values, divisor)`` before every two-party local truncation.
+    """Audit only: ``callback(ring_values, divisor)`` before every *local* two-party truncation.
 
-    CrypTen divides a sharing by a public integer by dividing each party's share locally
-    (``ArithmeticSharedTensor.div_``), which is wrong by about 2**64 / divisor with probability
-    about |x| / 2**64 per element. To measure that risk, the wrapper *opens* x (an extra
-    exchange of the shares, so it reveals the values: never inside a deployment) and hands the
-    ring integers to ``callback``. Both parties must run the same code, as they do.
+    To measure the wrap risk the hook *opens* x (an extra exchange of the shares, so it reveals
+    the values: never inside a deployment). Local truncations happen only while no wrap-free
+    truncation is installed (``mpc.truncation``); both parties must run the same code.
     """
-    original = ArithmeticSharedTensor.div_
-
-    def div_(self: Any, y: Any) -> Any:
-        d = y
-        if isinstance(d, float) and int(d) == d:
-            d = int(d)
-        if torch.is_tensor(d) and d.is_floating_point() and d.frac().eq(0).all():
-            d = d.long()
-        integer = isinstance(d, int) or (torch.is_tensor(d) and not d.is_floating_point())
-        if integer and crypten.communicator.get().get_world_size() == 2:
-            opened = crypten.communicator.get().all_reduce(self.share.clone())
-            callback(opened, d)
-        return original(self, y)
-
-    ArithmeticSharedTensor.div_ = div_
+    _truncation_observers.append(callback)
     try:
         yield
     finally:
-        ArithmeticSharedTensor.div_ = original
+        _truncation_observers.remove(callback)

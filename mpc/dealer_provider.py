@@ -105,6 +105,11 @@ class DealerProvider(TupleProviderBase):
         r, planes = self._shares(correlations.make_request("edabit", size, bits))
         return r, planes
 
+    def trunc_pairs(self, size, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This party's ring shares of a uniform r, of msb(r), and of r >> d (logical) for each
+        d = lo..hi stacked in front. Raw tensors, for ``mpc.truncation``."""
+        return self._shares(correlations.make_request("trunc_pair", size, lo, hi))
+
     def B2A_rng(self, size, device=None):
         ra, rb = self._shares(correlations.make_request("b2a_rng", size))
         return AST.from_shares(ra, precision=0), BST.from_shares(rb, precision=0)

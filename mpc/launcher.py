@@ -94,6 +94,7 @@ def _party_main(rank: int, fn: Callable, args: tuple, kwargs: dict, opts: dict, 
             link=opts["link"],
             dealer_link=opts["dealer_link"],
             timeout=opts["timeout"],
+            truncation=opts["truncation"],
         )
         if opts.get("plan") is not None:
             with party.meter("prefill"):
@@ -119,6 +120,7 @@ def run_parties(
     relay: Callable[[tuple[str, int]], tuple[str, int]] | None = None,
     threads: int = 1,
     party_args: tuple[tuple, tuple] = ((), ()),
+    truncation: str = "wrapfree",
     **kwargs: Any,
 ) -> PartyResults:
     """Run ``fn(party, *args, **kwargs)`` as both parties; see the module docstring.
@@ -133,6 +135,7 @@ def run_parties(
     timeout: seconds either party waits for a message before failing; also bounds the run.
     party_args: extra positional arguments for party 0 and for party 1 only (e.g. each
         server's own shares), appended after ``args``; the other party never receives them.
+    truncation: "wrapfree" (default) or "local" (see ``mpc.session.open_party``).
     """
     prov = {"dealer": "STARFISH_DEALER", "tfp": "TFP"}.get(provider)
     if prov is None:
@@ -145,7 +148,7 @@ def run_parties(
     try:
         opts: dict[str, Any] = {"keys_dir": keys_dir, "provider": prov, "link": link,
                                 "dealer_link": dealer_link, "timeout": timeout, "plan": plan,
-                                "threads": threads}
+                                "threads": threads, "truncation": truncation}
         if prov == "STARFISH_DEALER":
             dealer = ctx.Process(target=_dealer_main, args=(keys_dir, ports), daemon=True, name="dealer")
             dealer.start()

@@ -22,6 +22,7 @@ from .dealer import DealerLink
 from .dealer_provider import NAME as DEALER, DealerProvider
 from .encoding import DEFAULT_PRECISION
 from .tfp import TestOnlyTFP
+from .truncation import truncate_share
 
 TFP = "TFP"
 _provider = DealerProvider()
@@ -93,8 +94,16 @@ def open_party(
     link: LinkProfile = NO_LINK,
     dealer_link: LinkProfile = NO_LINK,
     timeout: float = 120.0,
+    truncation: str = "wrapfree",
 ) -> Party:
-    """Join a two-party session as ``rank``; party 1 accepts, party 0 connects."""
+    """Join a two-party session as ``rank``; party 1 accepts, party 0 connects.
+
+    ``truncation``: "wrapfree" (default: every fixed-point truncation uses a dealer truncation
+    pair and cannot wrap, ``mpc.truncation``) or "local" (CrypTen's share division, which wraps
+    with probability about |x| / 2**64 per element; kept for measuring that risk).
+    """
+    if truncation not in ("wrapfree", "local"):
+        raise ValueError(f"truncation must be 'wrapfree' or 'local', not {truncation!r}")
     if provider == TFP and not allow_insecure_tfp:
         raise InsecureProviderError(
             "the TFP provider lets party 0 know every triple; it is for unit tests only"
@@ -134,4 +143,5 @@ def open_party(
             dealer = DealerLink(dch, rank, session_id)
             _provider.attach(rank, dealer)
         cc.use_provider(provider)
+        cc.replace_local_truncation(truncate_share if truncation == "wrapfree" else None)
     return Party(rank, ch, meter, provider, dealer, {"session_id": session_id.hex()})

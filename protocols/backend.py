@@ -31,6 +31,7 @@ from typing import Any, Sequence, Union
 import torch
 
 from mpc.crypten_compat import crypten
+from mpc.truncation import truncate
 from crypten.encoder import FixedPointEncoder
 
 Tensor = Union[torch.Tensor, Any]  # torch.Tensor or crypten MPCTensor
@@ -56,6 +57,10 @@ __all__ = [
     "public_exponent",
     "mul_public",
     "float_dtype",
+    "bits_of",
+    "lift",
+    "rescale",
+    "raw_weighted_sum",
 ]
 
 
@@ -249,3 +254,52 @@ def truncate_raw(x: Any) -> Any:
     if not is_shared(x):
         return x
     return x.div(scale())
+
+
+# ------------------------------------------------------------------ sharings at other precisions
+# A raw product keeps the fractional bits of both factors (32 for two 16-bit encodings). Long
+# vectors stay raw until a value is opened (the opening is divided in the clear: no truncation
+# at all) or compared (one wrap-free truncation, ``mpc.truncation``). The encoder of a sharing
+# records its precision, so ``reveal`` decodes any of them.
+
+def bits_of(x: Any) -> int:
+    """Fractional bits of a sharing (its encoder's precision)."""
+    return int(round(math.log2(x.encoder.scale)))
+
+
+def lift(x: Any, bits: int) -> Any:
+    """The same value at ``bits >= bits_of(x)`` fractional bits: local, exact (ring times 2**k)."""
+    k = bits - bits_of(x)
+    if k < 0:
+        raise ValueError(f"lift to {bits} bits from {bits_of(x)}: use rescale to drop bits")
+    out = relabel(x, 0) * (1 << k) if k else x.clone()
+    return relabel(out, bits)
+
+
+def rescale(x: Any, bits: int | None = None) -> Any:
+    """A sharing at ``bits`` fractional bits (default F): lift, or one wrap-free truncation."""
+    if not is_shared(x):
+        return x
+    bits = frac_bits() if bits is None else bits
+    k = bits_of(x) - bits
+    if k <= 0:
+        return lift(x, bits)
+    return relabel(truncate(relabel(x, 0), k), bits)
+
+
+def raw_weighted_sum(values: Sequence[Any], weights: Sequence[float]) -> Any:
+    """sum_k w_k x_k for sharings at any precision and public weights, without truncation.
+
+    Each weight is encoded with ``public_exponent`` fractional bits; each product keeps its
+    bits; terms are lifted to the largest precision. The result's precision is that sum of bits
+    (up to about 52 for raw 32-bit rows), so |result| must stay below 2**(62 - bits).
+    """
+    w = torch.as_tensor([float(v) for v in weights], dtype=torch.float64)
+    e = int(public_exponent(w.abs().max()))
+    terms = [relabel(relabel(x, 0) * int(round(float(wk) * 2.0 ** e)), bits_of(x) + e)
+             for x, wk in zip(values, w)]
+    top = max(bits_of(t) for t in terms)
+    out = lift(terms[0], top)
+    for t in terms[1:]:
+        out = out + lift(t, top)
+    return out

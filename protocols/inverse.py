@@ -125,29 +125,31 @@ def _shared_random_matrix(shape: tuple, bound: float) -> Tensor:
 def _times_public_matrix(x: Tensor, p: torch.Tensor, limbs: int = 3, limb_bits: int = 12
                          ) -> Tensor:
     """``[x] @ P`` for public float64 ``P`` (..., k, k) with ``limbs * limb_bits`` significant
-    bits of each matrix ``P``; local.
+    bits of each matrix ``P``; one truncation round.
 
     CrypTen would encode ``P`` on the fixed ``2**-16`` grid, losing small inverses. We split
-    each matrix into limbs of ``limb_bits``-bit integers at a per-matrix exponent and multiply
-    each limb exactly in the ring, then truncate each partial product once. Small limbs keep
-    the ring values far below ``2**63``, where two-party truncation by local share division
-    would otherwise fail with probability ``|ring value| / 2**63`` (a single 36-bit factor
-    times a mask entry of 17 bits would make that ~2**-8 per entry).
+    each matrix into limbs of ``limb_bits``-bit integers at a per-matrix exponent ``e``,
+    multiply each limb exactly in the ring, sum the limbs at the last limb's exponent (exact),
+    and truncate that sum once by the per-matrix ``2**(e + (limbs-1) limb_bits)`` (a wrap-free
+    truncation with per-element exponents: one round). The ring sum is about
+    ``k 2**(16 + 12 + (limbs-1) limb_bits)`` = ``k 2**52`` for the defaults, below ``2**62``.
     """
     peak = p.abs().amax(dim=(-1, -2), keepdim=True)
     e = B.public_exponent(peak, lo=0, hi=40) - (16 - limb_bits)  # max |limb 0| <= 2**limb_bits
     e = e.clamp(min=0)
     residual = p
+    ring = B.relabel(x, 0)
     out = None
     for i in range(limbs):
         ei = e + i * limb_bits
         part = torch.round(residual * torch.pow(2.0, ei))
         residual = residual - part * torch.pow(2.0, -ei)
-        # scale-1 view: CrypTen multiplies the ring integers by the integer limb as they are
-        term = B.relabel(B.relabel(x, 0).matmul(part.to(torch.long)), B.frac_bits())
-        term = term.div(torch.pow(2, ei).to(torch.long).expand(tuple(term.shape)).contiguous())
+        # scale-1 view: CrypTen multiplies the ring integers by the integer limb as they are;
+        # limb i is lifted to the last limb's exponent (exact, local)
+        term = ring.matmul(part.to(torch.long)) * (1 << ((limbs - 1 - i) * limb_bits))
         out = term if out is None else out + term
-    return out
+    last = (e + (limbs - 1) * limb_bits).expand(tuple(out.shape)).contiguous()
+    return B.relabel(B.relabel(out, B.frac_bits()).div(torch.pow(2, last).to(torch.long)), B.frac_bits())
 
 
 def _open_product(a: Tensor, r: Tensor) -> torch.Tensor:

@@ -44,9 +44,16 @@ def lmatmul(public: torch.Tensor, x: Any) -> Any:
 
 
 def weighted_sum(values: Sequence[Any], weights: Sequence[float]) -> Any:
-    """sum_k w_k x_k with public weights (local for shared x)."""
+    """sum_k w_k x_k with public weights (local for shared x).
+
+    Shared values: no truncation at all (``protocols.backend.raw_weighted_sum``): the result
+    carries the bits of the values plus those of the weights, which an opening divides away in
+    the clear; ``protocols.backend.rescale`` brings it back to F bits where a protocol needs it.
+    """
     if len(values) != len(weights) or not values:
         raise ValueError("need one weight per value")
+    if any(is_secret(v) for v in values):
+        return _B.raw_weighted_sum([_B.to_shared_like(v) for v in values], weights)
     out = values[0] * float(weights[0])
     for x, w in zip(values[1:], weights[1:]):
         out = out + x * float(w)

@@ -139,8 +139,8 @@ def choose_method(num_rounds: int, method: Method = "auto",
 
 
 def combine_targets(updates: Sequence[Any], weights: Sequence[float]) -> Any:
-    """sum_c w_c g^c for several targets (public weights, shared or plain updates)."""
-    return weighted_sum(updates, weights)
+    """sum_c w_c g^c for several targets (public weights, shared or plain updates), at F bits."""
+    return B.rescale(weighted_sum(updates, weights))
 
 
 def selection_keys(target_updates: Any, model_deltas: torch.Tensor,

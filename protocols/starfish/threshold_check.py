@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from protocols import backend as B
 from protocols.threshold import any_exceeds
 
 __all__ = ["check_thresholds"]
@@ -25,5 +26,5 @@ def check_thresholds(estimates: Any, thresholds: Any) -> torch.Tensor:
     """
     if len(estimates.shape) != 2 or len(thresholds.shape) != 1:
         raise ValueError("estimates must be (clients, m) and thresholds (clients,)")
-    flags = any_exceeds(estimates, thresholds)
+    flags = any_exceeds(B.rescale(estimates), thresholds)  # estimates may carry raw bits (SecUE)
     return torch.as_tensor(flags).reshape(-1).to(torch.int64)

@@ -34,6 +34,8 @@ import torch
 
 from protocols.inverse import inverse_masked
 
+from protocols import backend as B
+
 from .backend import is_secret, lmatmul, transpose
 
 __all__ = ["compact_hvp", "estimate_updates", "default_inverse"]
@@ -100,7 +102,19 @@ def compact_hvp(S: torch.Tensor, Y: Any, v: torch.Tensor, inverse: Inverse | Non
     # sigma (S z1) would multiply two shared m-vectors (16 more bytes per coordinate).
     # Shared operands stay on the left of every operator (torch tensors do not know how to
     # combine with CrypTen tensors).
-    hv = sigma * vcol - lmatmul(S, sigma * z1) - Y.matmul(z2)
+    if not secret:
+        hv = sigma * vcol - lmatmul(S, sigma * z1) - Y.matmul(z2)
+        return hv.squeeze(-1)
+    # In 2PC the three m-long products stay raw (2F fractional bits, no truncation): a
+    # truncation of n x m values would cost a wrap-free protocol round and 16 bytes each, and
+    # the estimate is only ever opened inside an aggregate (divided in the clear) or rescaled
+    # once for the threshold check.
+    two_f = 2 * B.frac_bits()
+    sz1 = transpose(sigma * z1)                              # (..., 1, B) shared, F bits
+    t1 = B.relabel(B.raw_mul(sigma, vcol), two_f)
+    t2 = B.relabel(transpose(B.relabel(sz1, 0).matmul(B.encode_public(transpose(S)))), two_f)
+    t3 = B.relabel(B.raw_matmul(Y, z2), two_f)
+    hv = t1 - t2 - t3
     return hv.squeeze(-1)
 
 
@@ -113,7 +127,7 @@ def estimate_updates(stored: Any, model_diff: torch.Tensor, S: torch.Tensor, Y: 
     """
     hv = compact_hvp(S, Y, model_diff, inverse)
     if is_secret(hv):
-        return hv + stored
+        return hv + B.lift(B.to_shared_like(stored), B.bits_of(hv))
     if is_secret(stored):
         return stored + hv
     return torch.as_tensor(stored).to(hv.dtype) + hv

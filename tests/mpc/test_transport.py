@@ -180,8 +180,9 @@ def test_metered_bytes_match_the_bytes_on_the_socket():
     # the TLS-level counters are exact
     assert m0["wire"]["online"]["sent"] == relay.counts["0->1"]
     assert m0["wire"]["online"]["received"] == relay.counts["1->0"]
-    # and the multiplication itself moved exactly two n-element tensors each way
-    assert m0["steps"]["mul"]["online_bytes_sent"] == 2 * 8 * n + chmod.HEADER_BYTES
+    # and the multiplication itself moved exactly two n-element tensors each way (Beaver) and
+    # one more for its wrap-free truncation
+    assert m0["steps"]["mul"]["online_bytes_sent"] == 2 * 8 * n + 8 * n + 2 * chmod.HEADER_BYTES
     # offline (dealer) traffic is reported apart and is not on this socket
     assert res.meters[1]["total"]["offline_bytes_received"] >= 8 * n
 

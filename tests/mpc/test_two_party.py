@@ -22,10 +22,10 @@ def test_client_shares_reconstruct_inside_a_two_party_session():
 @pytest.mark.parametrize("provider", ["dealer", "tfp"])
 def test_multiply_compare_open_match_numpy(provider):
     rng = np.random.default_rng(11)
-    a = np.concatenate([rng.normal(size=101) * 100, [0.0, 0.0, -3.25, 1e-3, 300.0]]).astype(np.float32)
-    b = np.concatenate([rng.normal(size=101) * 100, [0.0, -0.5, -3.25, 1e-3, -300.0]]).astype(np.float32)
-    # products stay below ~1e5: local (SecureML) truncation fails with probability about
-    # |x y| 2^32 / 2^63 per element (docs/runtime.md), ~1% per run for a product of 2.5e7
+    a = np.concatenate([rng.normal(size=101) * 100, [0.0, 0.0, -3.25, 1e-3, 300.0, 5000.0, -6000.0]]).astype(np.float32)
+    b = np.concatenate([rng.normal(size=101) * 100, [0.0, -0.5, -3.25, 1e-3, -300.0, 5000.0, 6000.0]]).astype(np.float32)
+    # products up to 3.6e7 (ring 2^57): CrypTen's local truncation would wrap with probability
+    # about |ring| / 2^64 per element (~1% per run); the wrap-free truncation cannot
     m1 = rng.normal(size=(3, 5)).astype(np.float32)
     m2 = rng.normal(size=(5, 4)).astype(np.float32)
     res = run_parties(parties.arithmetic_suite, a, b, m1, m2, provider=provider)
@@ -39,12 +39,14 @@ def test_multiply_compare_open_match_numpy(provider):
     assert np.allclose(out0["mm"], m1.astype(np.float64) @ m2, atol=1e-3)
     assert np.allclose(out0["sq"], a64 * a64, rtol=1e-4, atol=1e-3)
     steps = res.meters[0]["steps"]
-    assert steps["mul"]["online_rounds"] == 1
-    assert steps["mul"]["online_bytes_sent"] == 2 * 8 * a.size + 9  # epsilon and delta, one frame
+    # Beaver (epsilon and delta in one frame), then the wrap-free truncation (c in one frame)
+    assert steps["mul"]["online_rounds"] == 2
+    assert steps["mul"]["online_bytes_sent"] == 2 * 8 * a.size + 9 + 8 * a.size + 9
     if provider == "dealer":
-        # party 0 never talks to the dealer after setup; party 1 receives exactly c1
+        # party 0 never talks to the dealer after setup; party 1 receives exactly c1 and the
+        # truncation pair's two corrections (msb(r), r >> 16)
         assert steps["mul"]["offline_bytes_received"] == 0
-        assert res.meters[1]["steps"]["mul"]["offline_bytes_received"] == 8 * a.size + 9
+        assert res.meters[1]["steps"]["mul"]["offline_bytes_received"] == 8 * a.size + 9 + 2 * 8 * a.size + 9
         assert res.plans[0] == res.plans[1] and len(res.plans[0]) > 3
 
 
