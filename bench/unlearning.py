@@ -39,13 +39,14 @@ from protocols.starfish.round_selection import choose_method, default_t_delta
 from . import costs, offline, profiles
 from . import steps as steps_bench
 from .report import machine_info, markdown_table, write_json
-from .synthetic import SyntheticConfig, config, prepare
+from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, config, load_data, prepare
 
 ONLINE_STEPS = ("TD", "RS", "UE", "TC", "aggregate")
 CLIENT_STEPS = ("correction",)   # simulated clients computing exact updates: no 2PC traffic
 TARGET_ONLINE_BYTES = 22e9
 TARGET_ONLINE_S = 20 * 60.0
 TARGET_RSS = 6 * 2**30
+TARGET_PLAINTEXT_DIFF = 1e-3   # max |2PC - plaintext| over the model (issue 12)
 
 
 def _program(party, spec: dict, data_path: str, method: str, t_delta: int, cprofile_dir: str | None,
@@ -62,10 +63,25 @@ def _program(party, spec: dict, data_path: str, method: str, t_delta: int, cprof
         prof.dump_stats(str(Path(cprofile_dir) / f"party{party.rank}.pstats"))
     out = res.to_json()
     out["model_sha256"] = hashlib.sha256(res.model.numpy().tobytes()).hexdigest()
-    out["model"] = res.model.numpy() if cfg.num_params <= 10_000 else None
+    out["model"] = res.model.numpy()
     out["client_computations"] = clients.computations
     out["report"] = offline.party_report(p)
     return out
+
+
+def plaintext_check(cfg: SyntheticConfig, data_path: str, method: str, t_delta: int, party0: dict) -> dict:
+    """The plaintext twin (``run_stage2`` with ``party=None``) on the same synthetic history:
+    same selected rounds, same flags, and max |2PC - plaintext| over the model."""
+    hist = SyntheticHistory(cfg, load_data(data_path), None)
+    params = StarfishParams(sigma=cfg.sigma, beta=cfg.beta, buffer=cfg.buffer, method=method, t_delta=t_delta)
+    t0 = time.perf_counter()
+    plain = run_stage2(None, hist, list(cfg.targets), params, SyntheticClients(hist))
+    diff = float(abs(plain.model.double().numpy() - party0["model"].astype("float64")).max())
+    flags = {str(k): v for k, v in plain.flags.items()}
+    return {"selected_rounds_equal": plain.selected_rounds == party0["selected_rounds"],
+            "flags_equal": flags == party0["flags"], "max_abs_diff": diff,
+            "target": TARGET_PLAINTEXT_DIFF, "met": diff <= TARGET_PLAINTEXT_DIFF,
+            "plaintext_seconds": time.perf_counter() - t0}
 
 
 def _method(profile: profiles.NetworkProfile, requested: str, T: int) -> tuple[str, int, str]:
@@ -362,6 +378,14 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                      f"per request, no prefetch): {', '.join(f'{x / 2**30:.2f} GiB' for x in rec_rss)}")
     if runs.seconds.get("compute_reused_from"):
         extra.append(f"compute run reused from {runs.seconds['compute_reused_from']}")
+    print("plaintext twin: run_stage2 on the same history in the clear ...", file=sys.stderr, flush=True)
+    twin = plaintext_check(cfg, str(data_path), method, t_delta, v0)
+    extra.append(f"plaintext twin (run_stage2 in the clear on the same history, {twin['plaintext_seconds']:.0f}s): "
+                 f"selected rounds equal: {'yes' if twin['selected_rounds_equal'] else 'NO'}; flags equal: "
+                 f"{'yes' if twin['flags_equal'] else 'NO'}; max |2PC - plaintext| over the model "
+                 f"{twin['max_abs_diff']:.2e} (target <= {TARGET_PLAINTEXT_DIFF:g}: "
+                 f"{'met' if twin['met'] else 'NOT met'})")
+    ok = agree and twin["selected_rounds_equal"] and twin["flags_equal"] and twin["met"]
     targets = target_rows(tot, rss, profile)
     paper = paper_row(profile, tot)
     text = render(cfg, profile, shaping, method_run, rows, tot, paper, rss, wire, extra,
@@ -377,15 +401,16 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         "schedule_requests": runs.schedule.num_requests,
         "schedule_meta": runs.schedule.meta, "mismatches": mismatches,
         "stage2": {k: v for k, v in v0.items() if k not in ("report", "model")}, "servers_agree": agree,
+        "plaintext_twin": twin,
         "session_seconds": wall, "markdown": text,
     }
     path = write_json(out_path, payload)
     Path(path).with_suffix(".md").write_text(text + "\n")
     print(f"wrote {path} and {Path(path).with_suffix('.md')}", file=sys.stderr)
-    return 0 if agree else 1
+    return 0 if ok else 1
 
 
-__all__ = ["main", "add_arguments", "step_rows", "totals", "estimate"]
+__all__ = ["main", "add_arguments", "step_rows", "totals", "estimate", "plaintext_check"]
 
 
 if __name__ == "__main__":

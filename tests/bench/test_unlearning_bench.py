@@ -20,6 +20,8 @@ def test_unlearning_benchmark_tiny_with_an_emulated_link(tmp_path, capsys):
     assert "applied by: link-emulation" in text and "analytic online s" in text
     res = json.loads(out.read_text())
     assert res["servers_agree"] and res["mismatches"] == []
+    twin = res["plaintext_twin"]   # the benchmark's own check against run_stage2 in the clear
+    assert twin["selected_rounds_equal"] and twin["flags_equal"] and twin["max_abs_diff"] <= 1e-3
     names = [r["step"] for r in res["steps"]]
     assert names[:5] == ["TD", "RS", "UE", "TC", "aggregate"]
     tot = res["totals"]
