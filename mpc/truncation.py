@@ -65,7 +65,7 @@ def truncate_share(share: torch.Tensor, d: Any) -> torch.Tensor:
     c = comm.all_reduce(biased + r)
     c_top_clear = 1 - ((c >> 63) & 1)
     if not per_element:
-        high, shift = highs[0], d
+        high = highs[0]
         out = -high + (top * c_top_clear) * (1 << (64 - d))
         if rank == 0:
             out = out + ((c >> d) & ((1 << (64 - d)) - 1)) - (1 << (RANGE_BITS - d))

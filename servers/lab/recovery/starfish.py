@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from protocols.starfish.params import Method, StarfishParams
+from protocols.starfish.params import StarfishParams
 from protocols.starfish.ports import History
 from protocols.starfish.round_selection import starfish_select
 from protocols.starfish.stage2 import run_stage2
@@ -63,6 +63,7 @@ class Starfish(RecoveryMethod):
         cost.extra.update({"warmup_steps": res.warmup_steps,
                            "correction_interval": self.params.correction_interval(history.num_rounds),
                            "flagged_corrections": sum(len(v) for v in res.flags.values()),
+                           "flags": {int(step): list(ids) for step, ids in res.flags.items()},
                            "sigma": self.params.sigma, "beta": self.params.beta,
                            "buffer": self.params.buffer})
         pool.fill(cost)
