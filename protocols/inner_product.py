@@ -38,4 +38,7 @@ def inner(x: Tensor, y: Tensor, dim: int = -1) -> Tensor:
     # One exponent for the whole public factor (products are summed before truncating).
     e = int(B.public_exponent(y.abs().max()))
     raw = B.relabel(x, 0) * B.encode_public(y, bits=e)
-    return B.relabel(raw.sum(dim), B.frac_bits()).div(1 << e)
+    total = B.relabel(raw.sum(dim), B.frac_bits())
+    # e depends on public data: a divisor tensor (not an int) keeps the truncation's dealer
+    # request independent of it (``mpc.truncation``: pairs for every exponent)
+    return total.div(torch.full(tuple(total.shape), 1 << e, dtype=torch.long))

@@ -162,3 +162,26 @@ def test_switching_threshold_follows_the_measured_costs():
     ]
     assert t_delta_from(rows, latency=0.036, bandwidth_bps=100e6) == 64   # WAN: rounds dominate
     assert t_delta_from(rows, latency=1e-6, bandwidth_bps=1e6) is None    # slow link: bytes dominate
+
+
+def test_two_targets_with_division_select_the_plaintext_rounds():
+    """Regression (issue 12): digits, 8 clients, 15 rounds, targets 0 and 3, Method 2. The
+    combined targets' keys ||g||^2 ||dM||^2 exceeded divide's 2**16 and the 2PC run selected
+    round 1 instead of round 6 (model 0.076 away). Keys are now normalised first."""
+    from bench import lab_setup, secure_lab
+    from protocols.starfish import StarfishParams, run_stage2
+    from protocols.starfish.ports import remaining_clients
+    from servers.lab.fl import run_federated
+    from servers.lab.recovery.base import ClientPool, PoolClients
+
+    args = _lab_args(clients=8, rounds=15, targets="0,3")
+    setup = lab_setup.build_setup(args)
+    hist = run_federated(setup.participants, setup.m0, args.rounds, setup.cfg.get("lr"))
+    params = StarfishParams(method="divide")
+    pool = ClientPool(setup.participants, remaining_clients(hist, setup.targets))
+    plain = run_stage2(None, hist, setup.targets, params, PoolClients(pool))
+    out = secure_lab.run_secure_starfish(args, hist, setup.targets, params)
+    v0 = out["values"][0]
+    assert v0["selected_rounds"] == plain.selected_rounds
+    assert {int(k): v for k, v in v0["flags"].items()} == plain.flags
+    assert np.abs(v0["model"] - plain.model.double().numpy()).max() < 1e-2
