@@ -9,6 +9,9 @@ each unlearned model to the retrained one.
 Flow: load data -> split among clients (client 0.. are the targets by default) -> the
 targets poison part of their data with a backdoor trigger -> T rounds of FedAvg record a
 History -> each method unlearns the targets from that history -> table, JSON, PNG.
+With ``--secure``, Starfish also runs under 2PC on the same history and must agree with plaintext
+Starfish (same selected rounds and correction flags, models within ``--secure-tolerance``);
+otherwise the differing figures are printed and the exit code is 1.
 
 Defaults per dataset are in :data:`bench.lab_setup.DATASET_DEFAULTS`; the digits defaults were tuned so
 the run takes seconds on one core and the backdoor is learned clearly (see README of
@@ -25,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from clients.datasets import DATASET_NAMES
@@ -39,7 +43,16 @@ from .lab_setup import build_setup, starfish_params
 from .report import human_bytes
 from .secure_lab import run_secure_starfish, step_table
 
-__all__ = ["main", "add_arguments", "run", "run_lab", "format_table"]
+__all__ = ["main", "add_arguments", "run", "run_lab", "format_table", "compare_secure",
+           "SECURE_TOLERANCE", "EXIT_DISAGREE"]
+
+#: ``--secure``: default bound on max |2PC model - plaintext model| over the parameters. The
+#: fixed-point error of a digits run is ~1e-4 (docs/unlearning.md); 1e-2 leaves room for longer
+#: replays while still catching a wrong estimate, correction or selection.
+SECURE_TOLERANCE = 1e-2
+#: Exit code of ``starfish lab --secure`` when 2PC and plaintext Starfish disagree (2: usage/data error).
+EXIT_DISAGREE = 1
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``starfish lab`` (the CLI wires this into its sub-command)."""
@@ -86,7 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sec = parser.add_argument_group("2PC")
     sec.add_argument("--secure", action="store_true",
                      help="also run Starfish under 2PC (two server processes, TLS, dealer) on the "
-                          "same history and print its per-step online/offline bytes, rounds, seconds")
+                          "same history, print its per-step online/offline bytes, rounds, seconds, "
+                          "and compare it with plaintext Starfish (run too if --method lacks it): "
+                          "exit 1 if the selected rounds or correction flags differ or the models "
+                          "differ by more than --secure-tolerance")
+    sec.add_argument("--secure-tolerance", type=float, default=SECURE_TOLERANCE,
+                     help="largest accepted max |2PC - plaintext| parameter difference for "
+                          f"--secure ({SECURE_TOLERANCE})")
     sec.add_argument("--latency-ms", type=float, default=0.0,
                      help="emulated one-way server<->server latency for --secure (0)")
     sec.add_argument("--bandwidth-mbps", type=float, default=0.0,
@@ -119,8 +138,15 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
     """Run the whole lab and return the JSON-able result (also printed/written by main)."""
     quiet = args.quiet
     say = (lambda *_: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    secure_on = getattr(args, "secure", False)
+    tolerance = getattr(args, "secure_tolerance", SECURE_TOLERANCE)
+    if secure_on and not (tolerance >= 0.0):
+        raise ValueError(f"--secure-tolerance must be >= 0, got {tolerance}")
     setup = build_setup(args, say)
     cfg, targets, methods = setup.cfg, setup.targets, setup.methods
+    if secure_on and "starfish" not in methods:
+        say("lab: --secure compares with plaintext Starfish; running method starfish as well")
+        methods = methods + ["starfish"]
     participants, evaluate, m0, trigger = setup.participants, setup.evaluate, setup.m0, setup.trigger
 
     t0 = time.perf_counter()
@@ -140,11 +166,12 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
                                      progress=None if quiet else stderr_progress(name))
         models[name], costs[name] = model, cost
     secure = None
-    if getattr(args, "secure", False):
+    if secure_on:
         secure = _run_secure(args, history, targets, costs)
         models["starfish (2PC)"], costs["starfish (2PC)"] = secure["model"], secure["cost"]
-        if "starfish" in models:
-            secure["max_abs_diff"] = float((secure["model"].double() - models["starfish"].double()).abs().max())
+        secure["comparison"] = compare_secure(models["starfish"], costs["starfish"],
+                                              secure["model"], secure["cost"], tolerance,
+                                              servers_differ=secure["servers_differ"])
         methods = methods + ["starfish (2PC)"]
     retrained = models.get("retrain")
     for name in methods:
@@ -166,9 +193,50 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
     result = {"config": config, "results": rows,
               "costs": {k: c.to_json() for k, c in costs.items()}}
     if secure is not None:
-        result["secure"] = {"steps": secure["steps"], "max_abs_diff_to_plaintext": secure["max_abs_diff"],
-                            "selected_rounds_equal": secure["selected_equal"], "seconds": secure["seconds"]}
+        cmp = secure["comparison"]
+        result["secure"] = {"steps": secure["steps"], "seconds": secure["seconds"],
+                            "max_abs_diff_to_plaintext": cmp["max_abs_diff"],
+                            "selected_rounds_equal": cmp["selected_rounds_equal"],
+                            "flags_equal": cmp["flags_equal"], "tolerance": cmp["tolerance"],
+                            "agree": cmp["agree"], "disagreements": cmp["disagreements"],
+                            "selected_rounds": cmp["selected_rounds"], "flags": cmp["flags"]}
     return result
+
+
+def _flags(cost: CostRecord) -> dict[int, list[int]]:
+    return {int(k): sorted(int(j) for j in v) for k, v in cost.extra.get("flags", {}).items()}
+
+
+def compare_secure(plain_model: torch.Tensor, plain_cost: CostRecord, secure_model: torch.Tensor,
+                   secure_cost: CostRecord, tolerance: float = SECURE_TOLERANCE,
+                   servers_differ: list[str] = ()) -> dict[str, Any]:
+    """2PC Starfish against plaintext Starfish on the same history.
+
+    They agree iff they select the same rounds, raise the same correction flags (replay step ->
+    flagged client ids) and their models differ by at most ``tolerance`` in every parameter
+    (and the two servers revealed the same outcome: ``servers_differ`` lists what they did not).
+    ``disagreements`` names each difference with its figures.
+    """
+    diff = float((secure_model.double() - plain_model.double()).abs().max())
+    sel = {"secure": list(secure_cost.selected_rounds), "plaintext": list(plain_cost.selected_rounds)}
+    flags = {"secure": _flags(secure_cost), "plaintext": _flags(plain_cost)}
+    out: list[str] = [f"the two servers revealed different {what}" for what in servers_differ]
+    if sel["secure"] != sel["plaintext"]:
+        only_s = sorted(set(sel["secure"]) - set(sel["plaintext"]))
+        only_p = sorted(set(sel["plaintext"]) - set(sel["secure"]))
+        out.append(f"selected rounds differ: 2PC {sel['secure']}, plaintext {sel['plaintext']} "
+                   f"(only 2PC: {only_s}, only plaintext: {only_p})")
+    if flags["secure"] != flags["plaintext"]:
+        steps = sorted(set(flags["secure"]) | set(flags["plaintext"]))
+        parts = [f"step {s}: 2PC {flags['secure'].get(s, '-')}, plaintext {flags['plaintext'].get(s, '-')}"
+                 for s in steps if flags["secure"].get(s) != flags["plaintext"].get(s)]
+        out.append("correction flags differ: " + "; ".join(parts))
+    if not diff <= tolerance:  # also catches NaN
+        out.append(f"models differ: max |2PC - plaintext| = {diff:.3e} > tolerance {tolerance:g}")
+    return {"agree": not out, "disagreements": out, "max_abs_diff": diff, "tolerance": tolerance,
+            "selected_rounds_equal": sel["secure"] == sel["plaintext"],
+            "flags_equal": flags["secure"] == flags["plaintext"],
+            "selected_rounds": sel, "flags": {k: {str(s): v for s, v in f.items()} for k, f in flags.items()}}
 
 
 def _run_secure(args: argparse.Namespace, history, targets: list[int], costs: dict) -> dict:
@@ -183,16 +251,20 @@ def _run_secure(args: argparse.Namespace, history, targets: list[int], costs: di
     cost = CostRecord("starfish (2PC)", history.num_rounds, wall_time_s=out["seconds"],
                       rounds_used=len(v0["selected_rounds"]),
                       client_computations={int(k): v for k, v in v0["client_computations"].items()},
-                      selected_rounds=v0["selected_rounds"])
+                      selected_rounds=list(v0["selected_rounds"]),
+                      correction_steps=list(v0.get("correction_steps", [])),
+                      estimated_updates=int(v0.get("estimated_updates", 0)))
+    cost.extra.update({"warmup_steps": v0.get("warmup_steps"),
+                       "flags": {int(k): list(v) for k, v in v0.get("flags", {}).items()}})
     for j in costs.get("starfish", cost).client_computations:
         cost.client_computations.setdefault(j, 0)
-    plain = costs.get("starfish")
     steps = step_table([v0["meters"], v1["meters"]])
-    return {
-        "model": model, "cost": cost, "steps": steps, "seconds": out["seconds"],
-        "max_abs_diff": None,
-        "selected_equal": None if plain is None else plain.selected_rounds == v0["selected_rounds"],
-    }
+    differ = [what for what, same in (
+        ("selected rounds", v0["selected_rounds"] == v1["selected_rounds"]),
+        ("flags", v0.get("flags") == v1.get("flags")),
+        ("models", np.array_equal(v0["model"], v1["model"]))) if not same]
+    return {"model": model, "cost": cost, "steps": steps, "seconds": out["seconds"],
+            "servers_differ": differ}
 
 
 def _fmt(v: Any, pct: bool = False, digits: int = 2) -> str:
@@ -258,6 +330,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"starfish lab: error: {exc}", file=sys.stderr)
         return 2
+    rc = 0
     print(format_table(result["results"]))
     if "secure" in result:
         print("\nstarfish (2PC) per step (online: server<->server, both directions; offline: dealer):")
@@ -267,15 +340,23 @@ def run(args: argparse.Namespace) -> int:
                   f"{human_bytes(r['offline_bytes']):>12}{r['seconds']:>9.2f}")
         sec = result["secure"]
         print(f"2PC total {sec['seconds']:.1f} s; selected rounds equal to plaintext: "
-              f"{sec['selected_rounds_equal']}; max |2PC - plaintext| parameter difference: "
-              f"{sec['max_abs_diff_to_plaintext']}")
+              f"{sec['selected_rounds_equal']}; flags equal: {sec['flags_equal']}; "
+              f"max |2PC - plaintext| parameter difference: {sec['max_abs_diff_to_plaintext']:.3e} "
+              f"(tolerance {sec['tolerance']:g})")
+        if not sec["agree"]:
+            print("2PC and plaintext Starfish DISAGREE:")
+            for line in sec["disagreements"]:
+                print(f"  {line}")
+            print("starfish lab: error: 2PC Starfish disagrees with plaintext Starfish: "
+                  + "; ".join(sec["disagreements"]), file=sys.stderr)
+            rc = EXIT_DISAGREE
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "lab.json").write_text(json.dumps(result, indent=2, default=str))
         plot(result, out / "lab.png")
         print(f"wrote {out / 'lab.json'} and {out / 'lab.png'}", file=sys.stderr)
-    return 0
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from bench.lab import main
@@ -46,3 +47,121 @@ def test_lab_reports_missing_dataset_directory(tmp_path, capsys):
 def test_lab_rejects_unknown_method(capsys):
     assert main(["--method", "magic", "--quiet"]) == 2
     assert "magic" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ --secure: 2PC vs plaintext
+_SMALL = ["--dataset", "digits", "--clients", "4", "--rounds", "6", "--epochs", "1",
+          "--train-limit", "160", "--test-limit", "60", "--targets", "0", "--quiet"]
+
+
+def _plaintext_as_secure(perturb):
+    """A stand-in for bench.secure_lab.run_secure_starfish: the plaintext Stage II, then ``perturb``."""
+    def fake(lab_args, history, targets, params, link=None):
+        from bench.lab_setup import build_setup
+        from protocols.starfish import run_stage2
+        from protocols.starfish.ports import remaining_clients
+        from servers.lab.recovery.base import ClientPool, PoolClients
+
+        setup = build_setup(lab_args)
+        pool = ClientPool(setup.participants, remaining_clients(history, targets))
+        res = run_stage2(None, history, targets, params, PoolClients(pool))
+        v = res.to_json()
+        v["model"] = res.model.double().numpy().copy()
+        v["meters"] = {"steps": {}}
+        v["client_computations"] = dict(pool.computations)
+        perturb(v)
+        return {"values": [v, dict(v)], "seconds": 0.5}
+    return fake
+
+
+def _shift_selection(v):
+    v["selected_rounds"] = sorted(set(range(1, 7)) - set(v["selected_rounds"]))[:1] + v["selected_rounds"][1:]
+
+
+def _flip_flag(v):
+    step = str(max(int(s) for s in v["flags"])) if v["flags"] else "1"
+    v["flags"][step] = [] if v["flags"].get(step) else [3]
+
+
+def _shift_model(v):
+    v["model"][5] += 0.05
+
+
+@pytest.mark.parametrize("perturb, expect", [
+    (_shift_selection, "selected rounds differ: 2PC"),
+    (_flip_flag, "correction flags differ: step"),
+    (_shift_model, "models differ: max |2PC - plaintext| = 5.000e-02 > tolerance 0.01"),
+])
+def test_lab_secure_exits_non_zero_when_2pc_and_plaintext_disagree(monkeypatch, capsys, tmp_path,
+                                                                     perturb, expect):
+    from bench import lab
+
+    monkeypatch.setattr(lab, "run_secure_starfish", _plaintext_as_secure(perturb))
+    rc = main(_SMALL + ["--method", "starfish", "--secure", "--out", str(tmp_path)])
+    assert rc == lab.EXIT_DISAGREE == 1
+    cap = capsys.readouterr()
+    assert "2PC and plaintext Starfish DISAGREE:" in cap.out and expect in cap.out
+    assert "2PC Starfish disagrees with plaintext Starfish" in cap.err and expect in cap.err
+    sec = json.loads((tmp_path / "lab.json").read_text())["secure"]  # written even on disagreement
+    assert sec["agree"] is False and any(expect in d for d in sec["disagreements"])
+    if perturb is _shift_selection:
+        assert sec["selected_rounds_equal"] is False and sec["flags_equal"] is True
+        assert sec["selected_rounds"]["secure"] != sec["selected_rounds"]["plaintext"]
+    if perturb is _flip_flag:
+        assert sec["flags_equal"] is False and sec["selected_rounds_equal"] is True
+        assert sec["flags"]["secure"] != sec["flags"]["plaintext"]
+    if perturb is _shift_model:
+        assert abs(sec["max_abs_diff_to_plaintext"] - 0.05) < 1e-6
+
+
+def test_lab_secure_tolerance_is_configurable(monkeypatch, capsys):
+    from bench import lab
+
+    def small_shift(v):
+        v["model"][0] += 5e-3
+
+    monkeypatch.setattr(lab, "run_secure_starfish", _plaintext_as_secure(small_shift))
+    assert main(_SMALL + ["--method", "starfish", "--secure"]) == 0          # default 1e-2
+    assert "tolerance 0.01" in capsys.readouterr().out
+    assert main(_SMALL + ["--method", "starfish", "--secure", "--secure-tolerance", "1e-3"]) == 1
+    assert "models differ: max |2PC - plaintext| = 5.000e-03 > tolerance 0.001" in capsys.readouterr().out
+    assert main(_SMALL + ["--secure", "--secure-tolerance", "-1"]) == 2
+    assert "--secure-tolerance" in capsys.readouterr().err
+
+
+def test_lab_secure_agreeing_run_exits_zero_and_adds_plaintext_starfish(tmp_path, capsys):
+    """The real 2PC run (two server processes, dealer); --method without starfish still compares."""
+    rc = main(_SMALL + ["--method", "retrain", "--secure", "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
+    assert "DISAGREE" not in cap.out
+    result = json.loads((tmp_path / "lab.json").read_text())
+    assert {r["method"] for r in result["results"]} == {"original (with target)", "retrain", "starfish",
+                                                        "starfish (2PC)"}
+    sec = result["secure"]
+    assert sec["agree"] is True and sec["disagreements"] == []
+    assert sec["selected_rounds_equal"] and sec["flags_equal"]
+    assert sec["max_abs_diff_to_plaintext"] <= sec["tolerance"] == 0.01
+    assert sec["flags"]["secure"] == sec["flags"]["plaintext"]
+    assert result["costs"]["starfish"]["extra"]["flags"] == result["costs"]["starfish (2PC)"]["extra"]["flags"]
+    assert "selected rounds equal to plaintext: True; flags equal: True" in cap.out
+
+
+def test_compare_secure_names_every_difference():
+    from bench.lab import compare_secure
+    from servers.lab.recovery import CostRecord
+
+    plain = CostRecord("starfish", 6, selected_rounds=[2, 4, 5, 6], extra={"flags": {3: [1, 2], 4: [1]}})
+    same = CostRecord("starfish (2PC)", 6, selected_rounds=[2, 4, 5, 6], extra={"flags": {3: [2, 1], 4: [1]}})
+    m = torch.zeros(4)
+    ok = compare_secure(m, plain, m + 1e-3, same)
+    assert ok["agree"] and ok["disagreements"] == [] and ok["flags_equal"]
+    other = CostRecord("starfish (2PC)", 6, selected_rounds=[1, 4, 5, 6], extra={"flags": {3: [1, 2]}})
+    bad = compare_secure(m, plain, m + float("nan"), other, servers_differ=["models"])
+    assert not bad["agree"]
+    assert bad["disagreements"] == [
+        "the two servers revealed different models",
+        "selected rounds differ: 2PC [1, 4, 5, 6], plaintext [2, 4, 5, 6] (only 2PC: [1], only plaintext: [2])",
+        "correction flags differ: step 4: 2PC -, plaintext [1]",
+        "models differ: max |2PC - plaintext| = nan > tolerance 0.01",
+    ]
