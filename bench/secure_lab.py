@@ -119,7 +119,7 @@ def run_secure_starfish(lab_args: argparse.Namespace, history: History, targets:
 def step_table(meters: list[dict]) -> list[dict]:
     """Per step: rounds, online bytes (both directions), offline bytes (both servers), seconds."""
     rows = []
-    names = [n for n in ("load", "TD", "RS", "UE", "TC", "correction", "aggregate") if n in meters[0]["steps"]]
+    names = [n for n in ("load", "TD", "RS", "UE", "TC", "correction", "pairs", "aggregate") if n in meters[0]["steps"]]
     for name in names:
         a, b = meters[0]["steps"][name], meters[1]["steps"][name]
         rows.append({

@@ -42,7 +42,7 @@ from .report import machine_info, write_json
 from .unlearning_report import paper_row, render, target_rows
 from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, config, load_data, prepare
 
-ONLINE_STEPS = ("TD", "RS", "UE", "TC", "aggregate")
+ONLINE_STEPS = ("TD", "RS", "UE", "TC", "pairs", "aggregate")
 CLIENT_STEPS = ("correction",)   # simulated clients computing exact updates: no 2PC traffic
 TARGET_PLAINTEXT_DIFF = 1e-3   # max |2PC - plaintext| over the model (issue 12)
 

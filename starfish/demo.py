@@ -155,7 +155,7 @@ def _fetch_results(cfg: Any, job: str) -> list[dict]:
 def _comm_table(meters0: dict, meters1: dict) -> list[str]:
     rows = ["step          rounds   online bytes  offline bytes   seconds",
             "------------  ------  -------------  -------------  --------"]
-    order = ["setup", "TD", "RS", "UE", "TC", "correction", "aggregate"]
+    order = ["setup", "TD", "RS", "UE", "TC", "correction", "pairs", "aggregate"]
     steps = [s for s in order if s in meters0["steps"]] + sorted(
         s for s in meters0["steps"] if s not in order and "/" not in s)
     for s in steps:

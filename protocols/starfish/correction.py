@@ -3,8 +3,8 @@
 Why a step of its own: in the warm-up and whenever a threshold check flags a client, Stage II
 (and FedRecover) ask clients for their exact update gbar^j on the recovered model M_hat. That
 exact update does two things: it replaces the estimate in this round's aggregate, and it
-refreshes the client's L-BFGS buffer with the pair (s, gbar^j - g^j), where g^j is the stored
-update of the round being replayed. The clients are reached through the
+offers the client's L-BFGS buffer the pair (s, gbar^j - g^j), where g^j is the stored update of
+the round being replayed (the buffer keeps it if it passes the curvature test, ``pair_buffers``). The clients are reached through the
 :class:`~protocols.starfish.ports.CorrectionClients` port (plain tensors in the lab, this
 party's shares on a server); s is public, y stays shared.
 """
@@ -17,24 +17,22 @@ from typing import Any
 import torch
 
 from .backend import to_compute
-from .pair_buffers import PairBuffers
 from .ports import CorrectionClients
 
 __all__ = ["apply_corrections"]
 
 
 def apply_corrections(clients: CorrectionClients, round_index: int, model: torch.Tensor,
-                      ids: Sequence[int], rest: Sequence[int], s: torch.Tensor,
-                      stored: Sequence[Any], rows: list[Any], buffers: PairBuffers) -> None:
-    """Fetch the exact updates of ``ids`` on ``model`` and put them into ``rows`` and ``buffers``.
-
-    ``rest`` orders ``stored`` and ``rows`` (one entry per remaining client); ``rows`` is
-    updated in place.
-    """
+                      ids: Sequence[int], rest: Sequence[int], stored: Sequence[Any],
+                      rows: list[Any]) -> dict[int, Any]:
+    """Fetch the exact updates of ``ids`` on ``model``, put them into ``rows`` (in place; ``rest``
+    orders ``stored`` and ``rows``) and return the secants y_j = gbar_j - g_j for the buffers."""
     wanted = set(ids)
     fresh = clients.exact_updates(round_index, model, list(ids))
+    secants = {}
     for r, j in enumerate(rest):
         if j in wanted:
             gbar = to_compute(fresh[j])
-            buffers.push(j, s, gbar - stored[r])
+            secants[j] = gbar - stored[r]
             rows[r] = gbar
+    return secants

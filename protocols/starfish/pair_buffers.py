@@ -2,11 +2,23 @@
 
 Each remaining client j has its own buffer of the last B pairs
 (s = M_hat - M_{t-1}, y^j = gbar^j - g_t^j), refreshed whenever j sends an exact update.
-s is public; y is shared in the secure servers (the buffer never looks inside it).
+s is public; y is shared in the secure servers.
 
-A pair with s = 0 (the first replayed round when it is round 1: M_hat = M_0 = M_0) holds
-no curvature information and would make sigma = 0/0, so it is skipped; whether s = 0 is
-public. Warm-up therefore lasts until every buffer holds B pairs.
+Which pairs are kept (the L-BFGS safeguard; without it the estimate can be meaningless):
+
+* a pair with s = 0 (the first replayed round when it is round 1) holds no curvature
+  information and would make sigma = 0/0: skipped; whether s = 0 is public;
+* a pair whose secant y is nearly orthogonal to s, or points against it (non-convex losses:
+  an MLP's ReLUs), makes the compact L-BFGS matrix ill-conditioned: estimates 30 to 1000
+  times the client's update were measured, which neither fixed point nor the plaintext
+  follow. A pair is kept only if y^T s > 0 and (y^T s)^2 >= c^2 (y^T y)(s^T s), i.e.
+  cos(y, s) >= c with c = ``MIN_COSINE`` (0.01). In 2PC this is one batched test per
+  correction step; **the accept bit of each new pair is opened** (both servers learn whether
+  client j's secant satisfied the condition: one bit about its exact update per correction),
+  since the buffers' contents decide which values later steps multiply.
+
+Warm-up lasts until every buffer holds B pairs, so a client whose pairs keep failing keeps
+sending exact updates (correct, only less saving).
 """
 
 from __future__ import annotations
@@ -16,29 +28,77 @@ from typing import Any
 
 import torch
 
-from .backend import stack
+from protocols import backend as B
+from protocols.compare import ge
+from protocols.inner_product import inner
 
-__all__ = ["PairBuffers"]
+from .backend import is_secret, reveal, stack
+
+__all__ = ["PairBuffers", "MIN_COSINE", "curvature_ok"]
+
+MIN_COSINE = 0.01
+
+
+def curvature_ok(s: torch.Tensor, ys: Sequence[Any], min_cos: float = MIN_COSINE) -> list[bool]:
+    """Per secant y in ``ys`` (shared or plain), whether y^T s > 0 and cos(y, s) >= min_cos.
+
+    2PC: y^T s (shared x public) and y^T y (shared x shared) as inner products, the squared
+    test on raw products (no truncation of the small values), two sign tests and their AND
+    (one product of bits); opens only the accept bits.
+    """
+    if not ys:
+        return []
+    ss = float((s.double() * s.double()).sum())
+    c2ss = min_cos * min_cos * ss
+    if not any(is_secret(y) for y in ys):
+        out = []
+        for y in ys:
+            y = torch.as_tensor(y, dtype=torch.float64)
+            u = float((y * s.double()).sum())
+            out.append(u > 0 and u * u >= c2ss * float((y * y).sum()))
+        return out
+    Y = stack([B.to_shared_like(y) for y in ys])
+    u = inner(Y, s.to(torch.float64), dim=-1)          # (k,) at F bits
+    yy = inner(Y, Y, dim=-1)                            # (k,) at F bits
+    u2 = B.relabel(B.raw_mul(u, u), 2 * B.frac_bits())  # (y^T s)^2 at 2F bits
+    e = min(int(B.public_exponent(torch.tensor(c2ss))), 24)  # keeps the lifted ring below 2**62 for |y^T s| < 2**11
+    rhs = B.relabel(B.relabel(yy, 0) * int(round(c2ss * 2.0 ** e)), B.frac_bits() + e)
+    top = max(B.bits_of(u2), B.bits_of(rhs))
+    diff = B.lift(u2, top) - B.lift(rhs, top)
+    bits = ge(B.stack([B.relabel(u, 0), B.relabel(diff, 0)]), 0.0)  # signs of the ring values
+    both = bits[0] * bits[1]
+    strictly = reveal(both)
+    # u = 0 passes the sign test; the plaintext rule wants u > 0: a zero u with a passing square
+    # test needs y^T y s^T s = 0, i.e. y = 0, which the twin rejects too (0 > 0 is false)
+    return [bool(v > 0.5) for v in strictly]
 
 
 class PairBuffers:
-    def __init__(self, clients: Sequence[int], size: int) -> None:
+    def __init__(self, clients: Sequence[int], size: int, min_cos: float = MIN_COSINE) -> None:
         if size < 1:
             raise ValueError("buffer size B must be >= 1")
         self.size = size
+        self.min_cos = min_cos
         self._s: dict[int, list[torch.Tensor]] = {j: [] for j in clients}
         self._y: dict[int, list[Any]] = {j: [] for j in clients}
 
-    def push(self, client: int, s: torch.Tensor, y: Any) -> bool:
-        """Append a pair (dropping the oldest beyond B); False if s = 0 was skipped."""
+    def push_many(self, clients: Sequence[int], s: torch.Tensor, ys: Sequence[Any]) -> list[bool]:
+        """Offer one pair (s, y_j) per client; keep those that pass (module docstring)."""
         if float(s.norm()) == 0.0:
-            return False
-        self._s[client].append(s)
-        self._y[client].append(y)
-        if len(self._s[client]) > self.size:
-            self._s[client].pop(0)
-            self._y[client].pop(0)
-        return True
+            return [False] * len(clients)
+        accepted = curvature_ok(s, list(ys), self.min_cos)
+        for j, y, ok in zip(clients, ys, accepted):
+            if ok:
+                self._s[j].append(s)
+                self._y[j].append(y)
+                if len(self._s[j]) > self.size:
+                    self._s[j].pop(0)
+                    self._y[j].pop(0)
+        return accepted
+
+    def push(self, client: int, s: torch.Tensor, y: Any) -> bool:
+        """One pair; False if it was skipped."""
+        return self.push_many([client], s, [y])[0]
 
     def all_full(self) -> bool:
         return all(len(v) >= self.size for v in self._s.values())

@@ -9,7 +9,8 @@ clients for exact updates. Per replayed round t:
    final correction), or the updates are estimated (``UE``: g + H(M_hat - M_{t-1}) from the
    clients' L-BFGS pairs) and the schedule then names the clients whose estimate it rejects
    (Starfish: the threshold check; FedRecover: its abnormality test);
-3. ``correction``: those clients' exact updates replace their rows and refresh their pairs;
+3. ``correction``: those clients' exact updates replace their rows; ``pairs``: their secants
+   are offered to the L-BFGS buffers (kept if they pass the curvature test);
 4. ``aggregate``: M_hat <- M_hat - eta sum_j w_j g^j with FedAvg weights renormalised over
    the remaining clients; the aggregate is the only value opened.
 
@@ -102,8 +103,10 @@ class Replay:
         if exact_ids:
             self.exact_requests[self.step] = list(exact_ids)
             with self.meter("correction"):
-                apply_corrections(self.clients, t, self.model.to(self.out_dtype), exact_ids, rest,
-                                  s, stored, rows, self.buffers)
+                secants = apply_corrections(self.clients, t, self.model.to(self.out_dtype), exact_ids,
+                                            rest, stored, rows)
+            with self.meter("pairs"):
+                self.buffers.push_many(list(secants), s, list(secants.values()))
         with self.meter("aggregate"):
             aggregate = reveal(weighted_sum(rows, weights)).to(torch.float64)
             self.model = self.model - self.eta * aggregate

@@ -1,9 +1,12 @@
 """Round selection (SecRS, Starfish Alg. 1): the rounds where the target mattered most.
 
 The target's contribution to round i is the cosine similarity between its update g_i^t
-and the global step M_i - M_{i-1}:
+and the global update, the aggregated update G_i = sum_j w_j g_i^j = (M_{i-1} - M_i) / eta:
 
-    tau_i = u_i / v_i,  u_i = <g_i^t, M_i - M_{i-1}>,  v_i = ||g_i^t|| * ||M_i - M_{i-1}||.
+    tau_i = u_i / v_i,  u_i = <g_i^t, M_{i-1} - M_i>,  v_i = ||g_i^t|| * ||M_{i-1} - M_i||.
+
+(The paper writes M_i - M_{i-1}; with updates that are subtracted from the model, as here and
+in the paper, that sign would rank the target's *least* aligned rounds first.)
 
 The model difference is public, so u_i is a local inner product of shared and public
 data, and v_i needs no secure square root because the client reported ||g_i^t|| itself.
@@ -184,8 +187,9 @@ def normalize_keys(u: Any, v: Any) -> tuple[Any, Any]:
         u = torch.as_tensor(u, dtype=torch.float64)
         v = torch.as_tensor(v, dtype=torch.float64)
         inside = v >= 2.0 ** int(_KEY_EXPONENTS[0])
-        j = torch.floor(torch.log2(torch.where(inside, v, torch.ones_like(v))))
-        scale = torch.pow(2.0, -(j.clamp(max=float(_KEY_EXPONENTS[-1])) + 1))
+        # frexp's exponent is floor(log2 v) + 1 exactly (log2 rounds up just below a power of 2)
+        t = torch.frexp(torch.where(inside, v, torch.ones_like(v))).exponent.to(torch.float64)
+        scale = torch.pow(2.0, -t.clamp(max=float(_KEY_EXPONENTS[-1]) + 1))
         return (torch.where(inside, u * scale, torch.zeros_like(u)),
                 torch.where(inside, v * scale, torch.ones_like(v)))
     u, v = B.to_shared_like(u), B.to_shared_like(v)
@@ -231,7 +235,11 @@ def starfish_select(history: History, targets: Sequence[int], k: int, params: St
     for i in rounds:
         if any(t not in history.participants(i) for t in targets):
             raise NotImplementedError("round selection assumes the targets took part in every round")
-    dm = torch.stack([history.model_delta(i) for i in rounds]).to(torch.float64)
+    # The global update in the clients' convention: M_i = M_{i-1} - eta sum_j w_j g_i^j, so the
+    # aggregated update is M_{i-1} - M_i (up to eta > 0). The paper writes M_i - M_{i-1} while
+    # calling it "the aggregated gradients"; with that sign a target aligned with the round would
+    # score -1 and the rounds where it mattered *least* would be selected.
+    dm = torch.stack([-history.model_delta(i) for i in rounds]).to(torch.float64)
     if len(targets) == 1:
         t = targets[0]
         g = stack([to_compute(history.update(i, t)) for i in rounds])

@@ -23,7 +23,7 @@ def test_unlearning_benchmark_tiny_with_an_emulated_link(tmp_path, capsys):
     twin = res["plaintext_twin"]   # the benchmark's own check against run_stage2 in the clear
     assert twin["selected_rounds_equal"] and twin["flags_equal"] and twin["max_abs_diff"] <= 1e-3
     names = [r["step"] for r in res["steps"]]
-    assert names[:5] == ["TD", "RS", "UE", "TC", "aggregate"]
+    assert names[:6] == ["TD", "RS", "UE", "TC", "pairs", "aggregate"]
     tot = res["totals"]
     assert tot["online_bytes"] > 0 and tot["offline_bytes"] > 0 and tot["analytic_online_s"] > 0
     for r in res["steps"]:

@@ -171,8 +171,9 @@ def test_starfish_on_isotropic_quadratics_replays_selected_rounds_exactly():
     method = Starfish(sigma=0.6, beta=0.1, buffer=2)
     model, cost = method.unlearn(hist, [0], clients)
 
+    # the aggregated update of round i is M_{i-1} - M_i (updates are subtracted from the model)
     cos = [float(torch.nn.functional.cosine_similarity(
-        hist.update(i, 0).double(), hist.model_delta(i).double(), dim=0)) for i in range(1, T + 1)]
+        hist.update(i, 0).double(), -hist.model_delta(i).double(), dim=0)) for i in range(1, T + 1)]
     best = sorted(sorted(range(T), key=lambda i: (-cos[i], i))[:6])
     assert cost.selected_rounds == [i + 1 for i in best]
     w = torch.tensor([2.0, 3.0, 4.0, 5.0]) / 14.0
