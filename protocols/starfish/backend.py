@@ -15,7 +15,7 @@ import torch
 
 from protocols import backend as _B
 
-__all__ = ["is_secret", "stack", "reveal", "to_compute", "lmatmul", "transpose", "weighted_sum"]
+__all__ = ["is_secret", "stack", "reveal", "to_compute", "lmatmul", "mul_mask", "transpose", "weighted_sum"]
 
 is_secret = _B.is_shared
 stack = _B.stack
@@ -36,11 +36,28 @@ def lmatmul(public: torch.Tensor, x: Any) -> Any:
     """``public @ x`` for a public left factor and a possibly-shared right factor.
 
     CrypTen tensors implement matmul with themselves on the left only, so the product is
-    formed as (x^T public^T)^T, which is local (no communication) for shared x.
+    formed as (x^T public^T)^T, which is local (no communication) for shared x. An
+    integer-valued public factor (the 0/1 placement matrices of SecUE) multiplies the ring
+    integers as they are: exact, and no truncation round.
     """
     if not is_secret(x):
         return torch.matmul(public.to(x.dtype), x)
+    if _is_integral(public):
+        ring = transpose(_B.relabel(transpose(x), 0).matmul(transpose(public).to(torch.long)))
+        return _B.relabel(ring, _B.bits_of(x))
     return transpose(transpose(x).matmul(transpose(public)))
+
+
+def mul_mask(x: Any, public: torch.Tensor) -> Any:
+    """``x * public`` elementwise; exact (no truncation) for an integer-valued public factor."""
+    if not is_secret(x) or not _is_integral(public):
+        return x * public
+    return _B.relabel(_B.relabel(x, 0) * public.to(torch.long), _B.bits_of(x))
+
+
+def _is_integral(t: torch.Tensor) -> bool:
+    t = torch.as_tensor(t)
+    return bool(torch.all(t == torch.round(t))) and bool(t.abs().max() < 2**31) if t.numel() else True
 
 
 def weighted_sum(values: Sequence[Any], weights: Sequence[float]) -> Any:

@@ -36,7 +36,7 @@ from protocols.inverse import inverse_masked
 
 from protocols import backend as B
 
-from .backend import is_secret, lmatmul, transpose
+from .backend import is_secret, lmatmul, mul_mask, transpose
 
 __all__ = ["compact_hvp", "estimate_updates", "default_inverse"]
 
@@ -76,12 +76,12 @@ def compact_hvp(S: torch.Tensor, Y: Any, v: torch.Tensor, inverse: Inverse | Non
     sts = transpose(S) @ S                                   # (..., B, B) public
     sty = transpose(transpose(Y).matmul(S))                  # S^T Y, local (public x shared)
     strict_lower = torch.tril(torch.ones(b, b, dtype=dtype), diagonal=-1)
-    L = sty * strict_lower
-    D = sty * torch.eye(b, dtype=dtype)
+    L = mul_mask(sty, strict_lower)
+    D = mul_mask(sty, torch.eye(b, dtype=dtype))
     last = torch.zeros(b, b, dtype=dtype)
     last[b - 1, b - 1] = 1.0
     # sigma = y_B^T s_B / s_B^T s_B : shared numerator over a public denominator
-    ys_last = (sty * last).sum(-1).sum(-1)                   # (...,)
+    ys_last = mul_mask(sty, last).sum(-1).sum(-1)            # (...,)
     ss_last = sts[..., b - 1, b - 1]
     sigma = (ys_last * (1.0 / ss_last)).unsqueeze(-1).unsqueeze(-1)   # (..., 1, 1)
 
