@@ -12,15 +12,26 @@ domain, so by default we first bring ``|x|`` into ``[1/2, 1)`` with a secret pow
    in the ring (telescoping sum), so it costs nothing and is exact;
 3. ``x' = x c`` in ``[1/2, 1)`` (one multiplication), three Newton-Raphson steps
    ``y <- y (2 - x' y)`` from ``y0 = 48/17 - 32/17 x'`` (error ``(1/17)**8``; six
-   multiplications), and ``1/x = c y`` (one multiplication); ``divide`` computes
-   ``(x y) c`` instead of ``x (c y)`` so that a large divisor does not throw away the bits of
-   ``1/y`` (two multiplications).
+   multiplications), and ``1/x = c y`` (one multiplication).
+4. ``divide(x, y)`` splits ``c = c2 c1`` with ``m = floor(log2|y|) + 1``,
+   ``c2 = 2**max(-m, 0)`` (an integer, ``>= 1``) and ``c1 = 2**-max(m, 0)`` (``<= 1``), both
+   integer combinations of the same bits. ``x sign(y) c2`` is exact (a ring product by an
+   integer, in the same Beaver round as ``y' = y c``), and ``x / y = ((x sign(y) c2) y') c1``
+   (two multiplications): the unit lost in the product with ``y'`` is never multiplied by a
+   factor above 1. Neither ``x (c y')`` (``c y'`` keeps few bits of ``1/y`` for large ``y``)
+   nor ``(x y') c`` (its lost unit times ``c``, up to ``2**15`` units for ``|y|`` near
+   ``2**-16``: ``divide(3, 5)`` in units of ``2**-16`` gave 0.625) has that property.
 
 Rounds: 1 comparison + 8 multiplications (``divide``: 1 + 9). Valid for every representable
 ``x != 0``: ``2**-16 <= |x| < 2**16``; for ``|x| >= 2**16`` the result is 0 (the true value is
 below the resolution ``2**-16``, but ``divide`` then also returns 0 whatever the numerator);
 ``x = 0`` gives a large positive garbage value (about ``1.5e6``). Accuracy: about one unit in
-the last place of the result plus a relative ``2**-15`` from rounding ``x'``.
+the last place of the result (``divide``: two) plus a relative ``2**-15`` from rounding ``x'``
+and up to about as much again from rounding ``y'`` (measured beyond the units: 0.9 ``2**-15``
+for ``reciprocal``, 1.3 ``2**-15`` for ``divide``). ``divide`` needs ``|x| < 2**29`` and
+``|x / y| < 2**29`` (its ring products stay below ``2**62``); a public ``x`` over a shared
+``y`` costs what a shared one does (``x sign(y) c2`` is then local, but its product with
+``y'`` is a Beaver multiplication).
 
 ``method="crypten"``. CrypTen's ``reciprocal``/``div``: the sign by one comparison (skipped
 with ``positive=True``), then 10 Newton-Raphson iterations from ``3 exp(1 - 2x) + 0.003``
@@ -65,34 +76,89 @@ def _ring_weights() -> torch.Tensor:
     return w.to(torch.long)
 
 
-def _signed_scale(x: Tensor, positive: bool) -> Tensor:
-    """Shared ``sign(x) * 2**-(floor(log2|x|)+1)`` (scale ``2**16``), one comparison round."""
+def _scale_bits(x: Tensor, positive: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """One comparison round: ``(d, b, s)`` as scale-1 ring integers of shape (..., J).
+
+    ``b_j = [|x| >= 2**j]``, ``d_j = sign(x) b_j`` and ``s = [x >= 0]`` (``None`` when the
+    caller guarantees ``x > 0``: then ``d = b``).
+    """
     th = torch.pow(2.0, _EXPONENTS)
-    w = _ring_weights()
     j = th.numel()
     xe = x.unsqueeze(-1)
     if positive:
         bits = ge(xe, th)  # (..., J)
-        ring = -(bits * w).sum(-1) + (1 << 32)
-    else:
-        shape = tuple(x.shape) + (j,)
-        vals = B.cat([xe.expand(shape), (-xe).expand(shape), xe], dim=-1)
-        thr = torch.cat([th, th, torch.zeros(1, dtype=torch.float64)])
-        bits = ge(vals, thr)  # (..., 2J+1): [x >= 2**j], [-x >= 2**j], [x >= 0]
-        # sign * c = (2s - 1) 2**16 - sum_j ([x >= 2**j] - [-x >= 2**j]) w_j
-        wall = torch.cat([-w, w, torch.tensor([1 << 33], dtype=torch.long)])
-        ring = (bits * wall).sum(-1) + (-(1 << 32))
-    return B.relabel(ring, B.frac_bits())
+        return bits, bits, None
+    shape = tuple(x.shape) + (j,)
+    vals = B.cat([xe.expand(shape), (-xe).expand(shape), xe], dim=-1)
+    thr = torch.cat([th, th, torch.zeros(1, dtype=torch.float64)])
+    bits = ge(vals, thr)  # (..., 2J+1): [x >= 2**j], [-x >= 2**j], [x >= 0]
+    pos, neg = bits[..., :j], bits[..., j:2 * j]
+    return pos - neg, pos + neg, bits[..., 2 * j]
+
+
+def _telescoped(bits: Tensor, s: Optional[Tensor], weights: torch.Tensor, top: int) -> Tensor:
+    """``(2s - 1) top - sum_j bits_j weights_j`` (``top - ...`` without a sign), scale 1, local."""
+    ring = -(bits * weights).sum(-1)
+    if s is None:
+        return ring + top
+    return ring + s * (2 * top) - top
+
+
+def _signed_scale(x: Tensor, positive: bool) -> Tensor:
+    """Shared ``sign(x) * 2**-(floor(log2|x|)+1)`` (scale ``2**16``), one comparison round."""
+    d, _, s = _scale_bits(x, positive)
+    # sign * c = (2s - 1) 2**16 - sum_j ([x >= 2**j] - [-x >= 2**j]) w_j
+    return B.relabel(_telescoped(d, s, _ring_weights(), 1 << 32), B.frac_bits())
+
+
+def _newton(xn: Tensor) -> Tensor:
+    """``1 / xn`` for ``xn`` in ``[1/2, 1)``: three Newton steps from ``48/17 - 32/17 xn``."""
+    y = xn * (-32.0 / 17.0) + 48.0 / 17.0
+    for _ in range(_NR_STEPS):
+        y = y * ((xn * y).neg() + 2.0)
+    return y
 
 
 def _normalized_parts(x: Tensor, positive: bool) -> tuple[Tensor, Tensor]:
     """``(c, y)`` with ``1/x = c * y``, ``y`` in ``(1, 2]``."""
     c = _signed_scale(x, positive)
-    xn = x * c
-    y = xn * (-32.0 / 17.0) + 48.0 / 17.0
-    for _ in range(_NR_STEPS):
-        y = y * ((xn * y).neg() + 2.0)
-    return c, y
+    return c, _newton(x * c)
+
+
+def _split_weights() -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights of ``c2 = 2**max(-m, 0)`` (an integer) and ``c1 = 2**-max(m, 0)`` (at scale
+    ``2**16``), ``m = floor(log2|y|) + 1``, over the bits ``[|y| >= 2**j]``, j = -16..16:
+
+    ``c2 = 2**15 - sum_{j=-15}^{-1} [|y| >= 2**j] 2**(-j-1)`` and
+    ``c1 2**16 = 2**16 - sum_{j=0}^{15} [|y| >= 2**j] 2**(15-j) - [|y| >= 2**16]``; c2 c1 = c.
+    """
+    j = _EXPONENTS.to(torch.long)
+    w2 = torch.where((j >= -15) & (j <= -1), torch.pow(2, (-j - 1).clamp(min=0)), 0)
+    w1 = torch.where(j >= 0, _ring_weights(), 0)
+    return w2.to(torch.long), w1.to(torch.long)
+
+
+def _divide_normalized(x: Tensor, y: Tensor, positive: bool) -> Tensor:
+    """``x / y`` for shared ``y``: ``((x sign(y) c2) y') c1`` (module docstring)."""
+    F = B.frac_bits()
+    if B.is_shared(x) and tuple(x.shape) != tuple(y.shape):
+        shape = torch.broadcast_shapes(tuple(x.shape), tuple(y.shape))
+        x, y = x.expand(shape), y.expand(shape)
+    d, b, s = _scale_bits(y, positive)
+    w2, w1 = _split_weights()
+    sc = _telescoped(d, s, _ring_weights(), 1 << 32)     # sign(y) c at 2**F, as a ring integer
+    sc2 = _telescoped(d, s, w2, 1 << 15)                 # sign(y) c2: an integer, 1 .. 2**15
+    c1 = B.relabel(_telescoped(b, None, w1, 1 << 16), F)  # c1 <= 1 at 2**F
+    if B.is_shared(x):
+        # one Beaver round for both ring products: y_enc (sign c)_enc (scale 2**2F, truncated
+        # below) and x_enc sign c2 (exact: x sign(y) c2 at 2**F)
+        prod = B.stack([B.relabel(y, 0), B.relabel(x, 0)]) * B.stack([sc, sc2])
+        xn = B.relabel(B.relabel(prod[0], F).div(1 << F), F)
+        xc2 = B.relabel(prod[1], F)
+    else:
+        xn = y * B.relabel(sc, F)
+        xc2 = B.relabel(sc2 * B.encode_public(torch.as_tensor(x, dtype=torch.float64)), F)
+    return (xc2 * _newton(xn)) * c1
 
 
 def _crypten_reciprocal(x: Tensor, positive: bool, max_abs: Optional[float]) -> Tensor:
@@ -133,6 +199,4 @@ def divide(x: Tensor, y: Tensor, positive: bool = False, method: str = "normaliz
         return _crypten_reciprocal(y, positive, max_abs) * x
     if method != "normalized":
         raise ValueError(f"unknown reciprocal method {method!r}")
-    c, yn = _normalized_parts(y, positive)
-    t = yn * x
-    return t * c
+    return _divide_normalized(x, y, positive)
