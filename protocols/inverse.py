@@ -14,7 +14,7 @@
    (split into limbs when ``k * mask_scale`` is so large that the ring sum would reach
    ``2**62``, see ``_times_public_matrix``).
 
-Rounds: 2 (multiplication + opening), ``~3 k^2`` ring elements each way per matrix
+Rounds: 3 (multiplication + opening + the truncation of ``R N^-1``), ``~3 k^2`` ring elements each way per matrix
 (the paper's ``6 m^2 l_q`` bits total), plus 2 per retry pass: a matrix whose ``N`` is
 numerically singular (``cond(N) > max_cond``, default ``1e8``: an unlucky mask or a singular
 ``A``) is re-masked, up to ``retries`` times, which opens one more ``A R'`` for it. For
