@@ -53,6 +53,9 @@ __all__ = ["SyntheticConfig", "CONFIGS", "config", "prepare", "load_data", "Synt
            "SyntheticClients", "update_values"]
 
 _KINDS = {"update": 1, "norm": 2, "delta": 3, "exact": 4}
+#: bump when ``update_values`` changes: cached histories (models, norms, thresholds) were made
+#: from the updates and must not be mixed with another generator's
+GENERATOR_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -87,9 +90,10 @@ class SyntheticConfig:
         return cls(**d)
 
     def key(self) -> str:
-        """Hash of everything that changes the generated values."""
+        """Hash of everything that changes the generated values (the generator's version too)."""
         d = self.to_json()
         d.pop("note", None)
+        d["generator"] = GENERATOR_VERSION
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
