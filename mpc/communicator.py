@@ -30,7 +30,7 @@ class _Done:
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().contiguous().cpu().numpy()).cast("B")
+    return memoryview(t.detach().contiguous().reshape(-1).cpu().numpy()).cast("B")  # flat: empty 2-D views cannot be cast
 
 
 class TwoPartyCommunicator(CommunicatorBase):

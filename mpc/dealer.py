@@ -139,7 +139,7 @@ class DealerServer:
 
 
 def _bytes(t) -> memoryview:
-    return memoryview(t.contiguous().numpy()).cast("B")
+    return memoryview(t.contiguous().reshape(-1).numpy()).cast("B")  # flat: a 2-D empty view cannot be cast
 
 
 class DealerLink:

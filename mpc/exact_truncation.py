@@ -18,7 +18,10 @@ probability is not negligible. This truncation uses the edabit machinery of the 
 
 Opens c (uniform), the AND openings and the bit-conversion openings (one-time pads): nothing.
 Cost per element, both directions: 16 bytes (c) + the 64-bit comparison of the sign test
-(118 AND gates of 1 bit) + 2 x 2 bits (conversion); 9 rounds for d = 16.
+(118 AND gates of 1 bit) + 2 x 2 bits (conversion). Rounds: 8 when d is a power of two (open c,
+6 AND levels, one conversion round for both bits; e.g. d = 16); otherwise the comparison of the
+d low bits runs after the full one, ceil(log2 d) more rounds and its AND gates (10 for d = 3,
+14 for d > 32). An empty input exchanges nothing.
 """
 
 from __future__ import annotations

@@ -63,20 +63,82 @@ def ge(x: Tensor, y: Tensor) -> Tensor:
     return (x >= y).to(B.float_dtype(x, y))
 
 
-def _cross_products(u1: Tensor, v1: Tensor, u2: Tensor, v2: Tensor) -> tuple[Tensor, Tensor]:
-    """Untruncated ``u1*v2`` and ``u2*v1``, batched into one Beaver round when possible.
+def _times_public_bit(x: Tensor, bit: Tensor) -> Tensor:
+    """Shared ``x`` times a public 0/1 (any nonzero read as 1), exactly and locally.
 
-    Both come back in the same representation: plain float64 products when every factor is
-    public, otherwise two raw sharings (ring ``x_enc * y_enc``). A product of two public
-    factors next to a shared one is made a sharing too (a public sharing of the first factor,
-    no communication), so that the comparison never mixes a raw ring product with a real one.
+    The ring integers are multiplied by the integer bit at scale 1: CrypTen's ``x * float``
+    would encode the bit at scale ``2**F`` and truncate the product (a round with wrap-free
+    truncation, and wrong once ``|x| * 2**F`` leaves the truncation's range, i.e. from
+    ``|x| >= 2**30`` on).
     """
-    if not B.any_shared(u1, v1, u2, v2):
-        return B.raw_mul(u1, v2), B.raw_mul(u2, v1)
-    if not B.any_shared(u1, v2):
-        u1 = B.share_public(u1)
-    if not B.any_shared(u2, v1):
-        u2 = B.share_public(u2)
+    b = (torch.as_tensor(bit) != 0).to(torch.long)
+    return B.relabel(B.relabel(x, 0) * b, B.bits_of(x))
+
+
+def _split(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Veltkamp split of float64 ``a`` into 26-bit halves, ``hi + lo == a`` exactly."""
+    c = 134217729.0 * a  # 2**27 + 1
+    hi = c - (c - a)
+    return hi, a - hi
+
+
+def _two_product(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dekker's product: ``p = fl(a * b)`` and its rounding error ``e``, ``p + e == a * b``
+    exactly (float64, barring overflow above ~2**996 and underflow below ~2**-969)."""
+    p = a * b
+    ah, al = _split(a)
+    bh, bl = _split(b)
+    e = al * bl - (((p - ah * bh) - al * bh) - ah * bl)
+    return p, e
+
+
+def _twin_cross_order(u1: Tensor, v1: Tensor, u2: Tensor, v2: Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plaintext twin: ``(u1*v2 > u2*v1, u1*v2 == u2*v1)`` decided on the exact products.
+
+    A float64 product keeps 53 bits, fixed-point cross products up to 62 (``|u v| < 2**30`` at
+    32 fractional bits): near-ties would round into ties. With the exact ``p + e``
+    representation, ``fl`` is monotone (``p1 > p2`` implies ``u1 v2 > u2 v1``) and equal ``p``
+    leave the exact errors to decide.
+    """
+    f = [torch.as_tensor(t, dtype=torch.float64) for t in (u1, v1, u2, v2)]
+    p, e = _two_product(f[0], f[3])
+    q, g = _two_product(f[2], f[1])
+    return (p > q) | ((p == q) & (e > g)), (p == q) & (e == g)
+
+
+def _public_raw(x: Tensor, y: Tensor) -> Tensor:
+    """A public sharing (no communication) of the raw ring product ``x_enc * y_enc`` of two
+    public factors (round-to-nearest encodings, as for a public factor in :func:`B.raw_mul`)."""
+    ring = B.encode_public(x) * B.encode_public(y)  # exact in int64 inside the documented range
+    zero = B.relabel(B.share_public(torch.zeros(ring.shape, dtype=torch.float64)), 0)
+    return B.relabel(zero + ring, B.frac_bits())
+
+
+def _rank_ring(t: Tensor) -> Tensor:
+    """Tie ranks as ring integers at scale 1: a sharing (its ring integers are the ranks, as
+    :mod:`protocols.sort` makes them), public integers as they are, public floats as their
+    fixed-point encodings (``rank * 2**-F`` encodes to ``rank``)."""
+    if B.is_shared(t):
+        return B.relabel(t, 0)
+    t = torch.as_tensor(t)
+    return B.encode_public(t) if t.is_floating_point() else t.to(torch.long)
+
+
+def _lex_key(x: Tensor, t: Tensor, n_tie: int) -> Tensor:
+    """Ring integers ``x_ring * n_tie + rank`` at scale 1, exact and local (a python int
+    multiplies CrypTen shares without encoding or truncation)."""
+    return B.relabel(x, 0) * int(n_tie) + _rank_ring(t)
+
+
+def _cross_products(u1: Tensor, v1: Tensor, u2: Tensor, v2: Tensor) -> tuple[Tensor, Tensor]:
+    """Untruncated sharings of ``u1*v2`` and ``u2*v1`` (ring ``x_enc * y_enc``), for at least one
+    shared factor; batched into one Beaver round when both products are shared x shared.
+
+    Public factors are encoded round-to-nearest (:func:`B.raw_mul`). A product of two public
+    factors next to shared ones becomes a public sharing of its exact ring product (no
+    communication), so that the comparison never mixes a raw ring product with a real one.
+    """
     shape = torch.broadcast_shapes(*(tuple(t.shape) for t in (u1, v1, u2, v2)))
     lhs = [u1, u2]
     rhs = [v2, v1]
@@ -87,7 +149,9 @@ def _cross_products(u1: Tensor, v1: Tensor, u2: Tensor, v2: Tensor) -> tuple[Ten
         return p[0], p[1]
     # Some factor is public: those products are local, so separate calls cost no extra round
     # unless both are shared x shared, which only happens in the branch above.
-    return B.raw_mul(u1, v2), B.raw_mul(u2, v1)
+    p = B.raw_mul(u1, v2) if B.any_shared(u1, v2) else _public_raw(u1, v2)
+    q = B.raw_mul(u2, v1) if B.any_shared(u2, v1) else _public_raw(u2, v1)
+    return p, q
 
 
 def ge_ratio(u1: Tensor, v1: Tensor, u2: Tensor, v2: Tensor) -> Tensor:
@@ -98,38 +162,22 @@ def ge_ratio(u1: Tensor, v1: Tensor, u2: Tensor, v2: Tensor) -> Tensor:
     Valid range: ``|u1 v2|, |u2 v1| < 2**30``; the sign of ``v`` is not checked (``v <= 0``
     flips or voids the order, as in the paper).
     """
+    if not B.any_shared(u1, v1, u2, v2):
+        greater, equal = _twin_cross_order(u1, v1, u2, v2)
+        return (greater | equal).to(B.float_dtype(u1, v1, u2, v2))
     p, q = _cross_products(u1, v1, u2, v2)
-    if not B.any_shared(p, q):
-        return (p >= q).to(B.float_dtype(u1, v1, u2, v2))
     return ge(p, q)
-
-
-def _lex_from_raw(p: Tensor, q: Tensor, ta: Tensor, tb: Tensor, n_tie: int) -> Tensor:
-    """``(p, ta) >= (q, tb)`` lexicographically; p, q raw ring integers, t in [0, n_tie).
-
-    2PC: one comparison of ``p*n_tie + ta`` against ``q*n_tie + tb``; the tie ranks sit
-    below the lowest unit of p, so the comparison is exact and needs no extra round.
-    ``ta``/``tb`` are shared tensors whose *ring integers* are the ranks (see sort.py).
-    """
-    if not B.any_shared(p, q, ta, tb):
-        ta = torch.as_tensor(ta)
-        tb = torch.as_tensor(tb)
-        res = (p > q) | ((p == q) & (ta >= tb))
-        return res.to(torch.float64)
-    # Public products with shared ranks (public keys, shared payload path): the plaintext
-    # twin holds the real product, whose raw ring integer is product * 2**(2F).
-    if not B.is_shared(p):
-        p = B.share_public(p * B.scale())
-    if not B.is_shared(q):
-        q = B.share_public(q * B.scale())
-    return ge(p * n_tie + ta, q * n_tie + tb)
 
 
 def lex_ge(a: Tensor, b: Tensor, ta: Tensor, tb: Tensor, n_tie: int) -> Tensor:
     """Tie-broken ``a >= b``: equal keys are ordered by their tie rank ``t`` (larger wins).
 
+    Ranks are integers in ``[0, n_tie)``: shared tensors whose *ring integers* are the ranks
+    (as :mod:`protocols.sort` makes them), public integer tensors, or public floats
+    ``rank * 2**-F`` (whose encodings are the ranks; the twin compares them as they are).
     Plaintext: exact comparison of (a, ta) vs (b, tb). 2PC: one comparison of
-    ``a_enc*n_tie + ta`` vs ``b_enc*n_tie + tb`` (requires ``|a|, |b| < 2**46 / n_tie``).
+    ``a_enc*n_tie + ta`` vs ``b_enc*n_tie + tb``, formed exactly on the ring integers
+    (requires ``|a|, |b| < 2**46 / n_tie``); no round besides the comparison.
     """
     if not B.any_shared(a, b, ta, tb):
         a = torch.as_tensor(a)
@@ -139,41 +187,63 @@ def lex_ge(a: Tensor, b: Tensor, ta: Tensor, tb: Tensor, n_tie: int) -> Tensor:
         return ((a > b) | ((a == b) & (ta >= tb))).to(B.float_dtype(a, b))
     a = B.to_shared_like(a)
     b = B.to_shared_like(b)
-    return ge(a * n_tie + ta, b * n_tie + tb)
+    return ge(_lex_key(a, ta, n_tie), _lex_key(b, tb, n_tie))
 
 
 def lex_ge_ratio(a: Sequence[Tensor], b: Sequence[Tensor], ta: Tensor, tb: Tensor,
                  n_tie: int) -> Tensor:
-    """Tie-broken SecGE2 on ``(u, v)`` pairs; same cost as :func:`ge_ratio`."""
-    p, q = _cross_products(a[0], a[1], b[0], b[1])
-    return _lex_from_raw(p, q, ta, tb, n_tie)
+    """Tie-broken SecGE2 on ``(u, v)`` pairs: ``(u1 v2, ta) >= (u2 v1, tb)`` lexicographically.
+
+    Ranks as in :func:`lex_ge`. Plaintext: exact on the float inputs. 2PC: one comparison of
+    ``u1_enc*v2_enc*n_tie + ta`` vs ``u2_enc*v1_enc*n_tie + tb`` (the ranks sit below the
+    lowest unit of the untruncated products, so no extra round); range
+    ``|u1 v2|, |u2 v1| < 2**30 / n_tie``, ``v > 0``. Same cost as :func:`ge_ratio`.
+    """
+    u1, v1, u2, v2 = a[0], a[1], b[0], b[1]
+    if not B.any_shared(u1, v1, u2, v2):
+        if not B.any_shared(ta, tb):
+            greater, equal = _twin_cross_order(u1, v1, u2, v2)
+            rank_wins = torch.as_tensor(ta) >= torch.as_tensor(tb)
+            return (greater | (equal & rank_wins)).to(torch.float64)
+        p, q = _public_raw(u1, v2), _public_raw(u2, v1)  # public keys, shared ranks
+    else:
+        p, q = _cross_products(u1, v1, u2, v2)
+    return ge(_lex_key(p, ta, n_tie), _lex_key(q, tb, n_tie))
 
 
 def select(cond: Tensor, a: Tensor, b: Tensor) -> Tensor:
     """SecSel: ``cond * a + (1 - cond) * b`` for a 0/1 ``cond``.
 
     Computed as ``b + cond * (a - b)``: one Beaver multiplication if ``cond`` and ``a - b`` are
-    both shared, local otherwise. A shared bit is exact (scale 1), so no truncation error.
-    Reveals nothing. Plaintext twin: ``torch.where(cond != 0, a, b)``.
+    both shared, local otherwise. Reveals nothing. Plaintext twin:
+    ``torch.where(cond != 0, a, b)``.
+
+    Exact (the result is the selected input's encoding, nothing truncated) for ``|a|, |b|,
+    |a - b| < 2**47`` when ``cond`` is public (any nonzero counts as 1, as in the twin) or a
+    shared bit at scale 1 (what :func:`ge` returns). Public ``a`` and ``b`` are encoded
+    round-to-nearest then (shared ones carry CrypTen's truncated encoding). A shared
+    *fixed-point* 0/1 (scale ``2**F``) is multiplied and truncated once: exact only while
+    ``|a - b| < 2**30``; turn it into a bit first for the full range.
     """
     if not B.any_shared(cond, a, b):
         cond = torch.as_tensor(cond)
         a = torch.as_tensor(a)
         b = torch.as_tensor(b)
         return torch.where(cond != 0, a, b)
+    if B.is_shared(cond) and cond.encoder.scale == 1 and not B.any_shared(a, b):
+        # bit times the integer encodings: exact and local (a float64 difference a - b would
+        # round once |a - b| >= 2**37)
+        ea, eb = B.encode_public(a), B.encode_public(b)
+        return B.relabel(cond * (ea - eb) + eb, B.frac_bits())
     # Keep the shared operand on the left: CrypTen overloads only its own operators.
     diff = a - b if B.is_shared(a) else (-b) + a
     if B.is_shared(cond):
         if not B.is_shared(diff):
-            if cond.encoder.scale == 1:
-                # bit times the integer encoding of diff: exact, no truncation
-                prod = B.relabel(cond * B.encode_public(diff), B.frac_bits())
-            else:
-                prod = cond * torch.as_tensor(diff, dtype=torch.float64)
+            prod = cond * torch.as_tensor(diff, dtype=torch.float64)  # fixed-point cond: truncates
         else:
             prod = diff * cond
     else:
-        prod = diff * torch.as_tensor(cond, dtype=torch.float64)
+        prod = _times_public_bit(diff, cond)
     return prod + b
 
 
@@ -186,6 +256,10 @@ def compare_exchange(swap: Tensor, a: Sequence[Tensor], b: Sequence[Tensor]
     differences are stacked into a single Beaver multiplication (one round, however many
     tensors follow the keys). With a public ``swap`` (plaintext keys) it is local. Components
     that are public while ``swap`` is shared become shared. Reveals nothing.
+
+    Exact for ``|a|, |b|, |a - b| < 2**47`` when ``swap`` is public (nonzero counts as 1) or a
+    shared bit at scale 1 (what :func:`ge` returns); a shared fixed-point 0/1 is truncated once
+    (exact only while ``|a - b| < 2**30``), as in :func:`select`.
     """
     if not B.is_shared(swap):
         sw = torch.as_tensor(swap) != 0
@@ -194,7 +268,7 @@ def compare_exchange(swap: Tensor, a: Sequence[Tensor], b: Sequence[Tensor]
             if B.any_shared(x, y):
                 x = B.to_shared_like(x)
                 y = B.to_shared_like(y)
-                d = (y - x) * sw.to(torch.float64)
+                d = _times_public_bit(y - x, sw)
                 new_a.append(x + d)
                 new_b.append(y - d)
             else:
