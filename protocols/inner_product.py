@@ -1,7 +1,9 @@
 """SecSP: inner products along a dimension, batched over the others.
 
 * shared x shared: one Beaver multiplication round for all elements, then a local sum;
-* shared x public: local, no communication (e.g. ``<[g_i], M_i - M_{i-1}>`` in round selection);
+* shared x public: a local product and sum, then one truncation (e.g. ``<[g_i], M_i - M_{i-1}>``
+  in round selection): one round with the default wrap-free truncation (``mpc/truncation.py``),
+  none with CrypTen's local one;
 * plaintext x plaintext: the plaintext twin ``(x * y).sum(dim)``.
 
 Precision. The elementwise products are kept untruncated (ring scale ``2**32``), summed, and
@@ -9,9 +11,14 @@ truncated once, so a length-m inner product carries one unit-in-the-last-place t
 error instead of m of them (CrypTen's ``(x * y).sum()`` would truncate every product). A public
 factor is encoded with round-to-nearest and ``e = clamp(16 - ceil(log2 max|y|), 16, 32)``
 fractional bits, i.e. ~16 significant bits even when it is small (model differences of order
-1e-4 would keep only ~6 bits on CrypTen's ``2**-16`` grid). Range: the *sum* must satisfy
-``|<x, y>| < 2**(47 - e)`` (``2**31`` for shared x shared); partial sums may wrap harmlessly
-in the ring. Reveals nothing.
+1e-4 would keep only ~6 bits on CrypTen's ``2**-16`` grid). The result is the exact raw sum
+truncated once: ``floor(S / 2**e)`` or one unit more (``S`` the ring sum, ``e = 16`` for shared
+x shared), i.e. within one unit of ``2**-16`` of the inner product of the encodings.
+Range: the *sum* must satisfy ``|<x, y>| < 2**(46 - e)`` (``2**30`` for shared x shared): the
+raw sum, at ``16 + e`` fractional bits, must stay below ``2**62`` for the wrap-free truncation
+(from ``2**30`` to ``2**31`` it is wrong with a probability growing to about 1/2; with
+CrypTen's local truncation the bound is ``2**(47 - e)`` but any sum wraps with probability
+about ``|S| / 2**64``). Partial sums may wrap harmlessly in the ring. Reveals nothing.
 """
 
 from __future__ import annotations
@@ -31,14 +38,22 @@ def inner(x: Tensor, y: Tensor, dim: int = -1) -> Tensor:
         y = torch.as_tensor(y)
         return (x * y).sum(dim)
     if B.is_shared(x) and B.is_shared(y):
-        return B.truncate_raw(B.raw_mul(x, y).sum(dim))
+        raw = B.raw_mul(x, y).sum(dim)
+        return _same_shape(B.truncate_raw(raw), raw)
     if B.is_shared(y):
         x, y = y, x
     y = torch.as_tensor(y, dtype=torch.float64)
     # One exponent for the whole public factor (products are summed before truncating).
-    e = int(B.public_exponent(y.abs().max()))
+    e = int(B.public_exponent(y.abs().max())) if y.numel() else B.frac_bits()
     raw = B.relabel(x, 0) * B.encode_public(y, bits=e)
     total = B.relabel(raw.sum(dim), B.frac_bits())
     # e depends on public data: a divisor tensor (not an int) keeps the truncation's dealer
     # request independent of it (``mpc.truncation``: pairs for every exponent)
-    return total.div(torch.full(tuple(total.shape), 1 << e, dtype=torch.long))
+    return _same_shape(total.div(torch.full(tuple(total.shape), 1 << e, dtype=torch.long)), total)
+
+
+def _same_shape(out: Tensor, like: Tensor) -> Tensor:
+    """``out`` with ``like``'s shape: the two-party truncation returns a 0-d sharing (the inner
+    product of two vectors) with shape (1,), unlike the plaintext twin's 0-d result."""
+    shape = tuple(like.shape)
+    return out if tuple(out.shape) == shape else out.reshape(shape)

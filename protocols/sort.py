@@ -140,7 +140,8 @@ def bitonic_sort(keys: Keys, payloads: Any = None, descending: bool = False,
     ``(..., p)`` tensors; default :func:`ge_comparator` on a single key (tuples need an explicit
     comparator). Returns ``(sorted_keys, sorted_payloads)`` in the input's structure; shared
     inputs give shared outputs (fresh shares; public payloads become shared when the keys are
-    shared). Rounds: :func:`num_layers` comparator calls, see the module docstring.
+    shared, and so do public components of tuple keys when another component is shared).
+    Rounds: :func:`num_layers` comparator calls, see the module docstring.
     """
     key_t = _as_tuple(keys)
     pay_t = _as_tuple(payloads)
@@ -156,6 +157,13 @@ def bitonic_sort(keys: Keys, payloads: Any = None, descending: bool = False,
             raise ValueError(f"keys and payloads must share one shape, got {tuple(t.shape)} "
                              f"and {shape}")
     n = shape[-1]
+    if B.any_shared(*key_t):
+        # A public component of shared keys (e.g. a public v of (u, v)) is shared once, up
+        # front: every layer then compares the same (truncated) encoding -- the first layer's
+        # local products used to encode it round-to-nearest and the later layers, after the
+        # exchange had shared it, truncated, which left off-grid mixes unsorted -- and every key
+        # component leaves shared, also when no layer runs (n <= 1). No communication.
+        key_t = tuple(B.to_shared_like(k) for k in key_t)
     comps = list(key_t)
     nk = len(key_t)
     if stable:

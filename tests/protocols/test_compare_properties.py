@@ -31,12 +31,10 @@ import math
 from fractions import Fraction
 
 import numpy as np
-import pytest
 import torch
-from hypothesis import example, given, note, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from mpc.launcher import PartyError
 from protocols.compare import compare_exchange, ge, ge_ratio, lex_ge, lex_ge_ratio, select
 from tests.helpers import compare_programs as cp
 
