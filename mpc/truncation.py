@@ -11,7 +11,7 @@ r >> d (logical) and of msb(r). With the bias x' = x + 2**62 (in [0, 2**63) for 
    can only overflow when r's top bit is set, and then exactly when c's top bit is clear. c is
    public, so w's share is msb(r)'s share times a public 0/1: local;
 3. x' >> d = (c >> d) - (r >> d) + w 2**(64 - d) - [c mod 2**d < r mod 2**d]; the last term is
-   dropped, so the result is floor(x / 2**d) or one less (probabilistic rounding, like CrypTen's
+   dropped, so the result is floor(x / 2**d) or one more (probabilistic rounding, like CrypTen's
    local truncation's error of one unit, but never the 2**(64 - d) error).
 
 Cost per element: 8 bytes each way online, one round; offline 16 bytes to party 1 (party 0

@@ -218,7 +218,9 @@ def top_k(keys: Keys, payloads: Any, k: int, descending: bool = True,
     sorted order, in one round. ``payloads=None`` means the original indices ``0..n-1``
     (returned as int64): the usual use, e.g. selecting round indices. Ties go to the earlier
     original index (``stable=True``). Reveals the k payloads and their rank order, nothing
-    else. Returns a tensor ``(..., k)`` or a tuple of them mirroring ``payloads``.
+    else. Returns a tensor ``(..., k)`` or a tuple of them mirroring ``payloads``: public
+    payloads in their own dtype (on the fixed-point grid when the keys are shared, exactly as
+    given when they are public), shared ones as float64.
     """
     key_t = _as_tuple(keys)
     shape = tuple(key_t[0].shape)
@@ -239,13 +241,18 @@ def top_k(keys: Keys, payloads: Any, k: int, descending: bool = True,
                                  stable=stable)
     sp = _as_tuple(sorted_pay)
     heads = [p[..., :k] for p in sp]
-    if B.any_shared(*heads):
-        opened = B.reveal(B.stack(heads))
-        heads = [opened[i] for i in range(len(heads))]
+    # One opening for the shared heads; public ones (public keys) are known as they are: opening
+    # them too would round them to the fixed-point grid (and int64 beyond 2**53 through float64).
+    shared = [i for i, h in enumerate(heads) if B.is_shared(h)]
+    if shared:
+        opened = B.reveal(B.stack([heads[i] for i in shared]))
+        for j, i in enumerate(shared):
+            heads[i] = opened[j]
     out = []
-    for orig, h in zip(pay_t, heads):
-        if not B.is_shared(orig) and not orig.is_floating_point():
-            h = torch.round(torch.as_tensor(h, dtype=torch.float64)).to(orig.dtype)
+    for i, (orig, h) in enumerate(zip(pay_t, heads)):
+        if i in shared and not B.is_shared(orig):  # a public payload comes back in its dtype
+            h = torch.as_tensor(h, dtype=torch.float64)
+            h = h.to(orig.dtype) if orig.is_floating_point() else torch.round(h).to(orig.dtype)
         out.append(h)
     if isinstance(pay_in, (tuple, list)):
         return tuple(out)

@@ -88,9 +88,13 @@ def max_cases(draw) -> dict:
     ndim = draw(st.integers(1, 3))
     shape = tuple(draw(st.lists(st.integers(1, 9 if ndim == 1 else 5), min_size=ndim,
                                 max_size=ndim)))
+    if ndim > 1 and draw(st.integers(0, 5)) == 0:
+        shape = (0,) + shape[1:]                         # an empty batch
     if ndim <= 2 and draw(st.integers(0, 2)) == 0:  # long rows: more levels, odd carries
         shape = shape[:-1] + (draw(st.sampled_from([16, 17, 31, 33])),)
     dim = draw(st.integers(-ndim, ndim - 1))
+    if shape[dim % ndim] == 0:                           # reduce over a non-empty dimension
+        dim = (dim + 1) % ndim
     x = draw(fixed_arrays(shape, MAX_KEYS))
     return {"op": "max", "x": ("sh", x, draw(st.integers(0, 1))), "dim": dim,
             "keepdim": draw(st.booleans())}
@@ -113,7 +117,11 @@ def test_max_matches_numpy_and_twin(pair, ge_rounds, cases):
             plain = torch.amax(torch.from_numpy(x), dim=case["dim"], keepdim=case["keepdim"])
             assert np.array_equal(ring(res["value"]), enc(plain.numpy()))
         n = x.shape[case["dim"]]
-        assert res["cost"]["online_rounds"] == math.ceil(math.log2(n)) * (ge_rounds + 1)
+        want = math.ceil(math.log2(n)) * (ge_rounds + 1)
+        if x.size:  # (an empty batch skips its comparisons)
+            assert res["cost"]["online_rounds"] == want
+        else:
+            assert res["cost"]["online_rounds"] <= want
 
 
 def test_max_of_an_empty_dimension_raises(pair):
@@ -127,7 +135,7 @@ def test_max_of_an_empty_dimension_raises(pair):
 # ----------------------------------------------------------------------------- any_exceeds
 @st.composite
 def threshold_cases(draw) -> dict:
-    rows = draw(st.sampled_from([(), (1,), (4,), (2, 3)]))
+    rows = draw(st.sampled_from([(), (0,), (1,), (4,), (2, 3)]))
     m = draw(st.sampled_from([0, 1, 2, 3, 5, 8, 13]))
     d_enc = np.array(draw(enc_vectors(int(np.prod(rows, dtype=np.int64)), THRESHOLD)),
                      dtype=np.int64).reshape(rows)
@@ -187,7 +195,11 @@ def test_any_exceeds_is_exact_on_encodings(pair, ge_rounds, cases):
         if all(on_grid(p) for p in public):
             assert np.array_equal(val, tw["value"][1]) and tw["value"][2] == "torch.bool"
         m = np.shape(case["x"][1])[-1]   # m = 0: no coordinate flags to compare
-        assert res["cost"]["online_rounds"] == (2 if m else 1) * ge_rounds + 2
+        want = (2 if m else 1) * ge_rounds + 2
+        if int(np.prod(np.shape(case["x"][1])[:-1], dtype=np.int64)):
+            assert res["cost"]["online_rounds"] == want
+        else:                            # no rows: the comparisons are skipped
+            assert res["cost"]["online_rounds"] <= want
 
 
 # ----------------------------------------------------------------------------- inner
@@ -202,21 +214,19 @@ def public_exponent(y: np.ndarray) -> int:
 def inner_cases(draw) -> dict:
     kind = draw(st.sampled_from(["ss", "ss", "sp", "sp", "ps"]))
     m = draw(st.sampled_from([0, 1, 2, 3, 7, 16, 33]))
-    batch = draw(st.sampled_from([(), (1,), (3,)])) if m else ()
+    batch = draw(st.sampled_from([(), (0,), (1,), (3,)]))
     layout = draw(st.sampled_from(["last", "first", "broadcast"])) if batch else "last"
     xs = draw(enc_vectors(int(np.prod(batch + (m,), dtype=np.int64)), MAX_KEYS))
     x_enc = [int(v) for v in xs]
     pub = kind != "ss"
+    ny = m if layout == "broadcast" else len(x_enc)  # broadcast: one y for every row of x
     if pub and draw(st.booleans()):   # a model difference: tiny public entries
         mag = 10.0 ** draw(st.floats(-7, -2))
-        y = (np.array(draw(st.lists(st.floats(-1, 1), min_size=len(x_enc),
-                                    max_size=len(x_enc)))) * mag)
+        y = np.array(draw(st.lists(st.floats(-1, 1), min_size=ny, max_size=ny))) * mag
         y_grid = False
     else:
-        y = np.array([float(v) / SCALE for v in draw(enc_vectors(len(x_enc), MAX_KEYS))])
+        y = np.array([float(v) / SCALE for v in draw(enc_vectors(ny, MAX_KEYS))])
         y_grid = True
-    if layout == "broadcast":  # y is one vector for every row of x
-        y = y[:m]
     if draw(st.integers(0, 3)) == 0 and m >= 2:  # cancelling pairs: huge partial sums
         x_arr = np.array(x_enc, dtype=object).reshape(batch + (m,))
         x_arr[..., 1] = x_arr[..., 0]
@@ -287,8 +297,9 @@ def test_inner_matches_exact_sum_numpy_and_twin(pair, cases):
         assert res["value"][0] == "sh" and got.shape == S.shape
         diff = got - floor
         assert all(d in (0, 1) for d in np.asarray(diff).reshape(-1)), (diff, S)
-        if kind == "ss":
-            assert res["cost"]["online_rounds"] == 2   # Beaver product + one truncation
+        if kind == "ss" and S.size:   # Beaver product + one truncation (empty: skipped)
+            assert res["cost"]["online_rounds"] == 2
+        event(f"inner shape {np.shape(S)}")
         # against numpy on the reals (and the twin): one unit of truncation, the encodings'
         # errors (x truncated, y truncated or rounded to e bits) and float64's own rounding
         real = np.sum(np.broadcast_to(y, np.broadcast_shapes(x.shape, y.shape)) * x, axis=dim)
