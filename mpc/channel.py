@@ -8,13 +8,12 @@ Design (docs/design.md 4.2):
   encrypt/decrypt calls; socket I/O happens outside it.
 - Frames are ``kind (1 byte) | length (8 bytes, little endian) | payload``. Tensor
   payloads are written from and read into the tensor's own memory (no pickling).
-- Link emulation, applied by the receiver as a FIFO link: a frame whose first bytes
-  arrived at t is handed over at max(t, link free) + bytes/bandwidth + latency (and never
-  before it really arrived). Doing it on the receiving side lets the real transfer time
-  overlap the emulated one instead of adding to it. With ``tc netem`` unavailable this
-  is what makes LAN/WAN runs meaningful.
+- Link emulation (no ``tc netem`` here), applied by the receiver as a FIFO link so the real
+  transfer overlaps the emulated one: a frame whose first bytes arrived at t is handed over
+  at max(t, link free) + bytes/bandwidth + latency, and never before it really arrived.
 - Failure: a closed or reset connection is reported as ``PeerDisconnected`` at once; a
-  silent peer as ``PeerTimeout`` after ``timeout`` seconds. Nothing waits forever.
+  silent peer as ``PeerTimeout`` after ``timeout`` seconds. Nothing waits forever. An idle
+  side polls ``peer_closed``.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ HEADER_BYTES = _HEADER.size
 KIND_TENSOR = 1
 KIND_OBJECT = 2
 KIND_HELLO = 3
+KIND_TICKET = 4  # session matching (mpc.peer_accept)
 _CHUNK = 1 << 20
 DEFAULT_TIMEOUT = 120.0
 MAX_FRAME = 1 << 36  # default per-frame bound (64 GiB): a corrupt length cannot allocate wildly
@@ -114,6 +114,7 @@ class Channel:
         self._send_lock = threading.Lock()
         self._frames: queue.Queue = queue.Queue()
         self._closed: _Closed | None = None
+        self._reader_stopped = threading.Event()
         self._round_open = False
         self._round_epoch = -1
         self._rx_link_free = 0.0
@@ -135,8 +136,10 @@ class Channel:
         timeout: float = DEFAULT_TIMEOUT,
         connect_timeout: float = 30.0,
         max_frame: int = MAX_FRAME,
+        handshake_timeout: float | None = None,
     ) -> "Channel":
-        """Connect to ``address`` and require the server to prove identity ``expected_peer``."""
+        """Connect to ``address`` and require the server to prove identity ``expected_peer``.
+        ``connect_timeout`` bounds TCP and TLS; ``handshake_timeout`` the hello (default ``timeout``)."""
         deadline = time.monotonic() + connect_timeout
         while True:
             try:
@@ -150,20 +153,14 @@ class Channel:
         sslobj = ctx.wrap_bio(inc, out, server_side=False, server_hostname=expected_peer)
         ch = cls(sock, sslobj, inc, out, kind=kind, meter=meter, link=link, timeout=timeout,
                  label=f"{kind} channel to {expected_peer}", max_frame=max_frame)
-        ch._establish(lambda name: name == expected_peer, expected_peer)
+        ch._establish(lambda name: name == expected_peer, expected_peer, handshake_timeout or timeout)
         return ch
 
     @classmethod
-    def accept(
-        cls,
-        listener: socket.socket,
-        ctx: ssl.SSLContext,
-        allowed_peer: Callable[[str], bool] | str,
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-        **kwargs,
-    ) -> "Channel":
-        """Accept one connection; the client's certificate must name an allowed peer."""
+    def accept(cls, listener: socket.socket, ctx: ssl.SSLContext, allowed_peer: Callable[[str], bool] | str,
+               *, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> "Channel":
+        """Accept the oldest queued connection; the client's certificate must name an allowed
+        peer. A stray makes this fail: 2PC sessions use ``mpc.peer_accept.accept_peer``."""
         listener.settimeout(timeout)
         try:
             sock, _addr = listener.accept()
@@ -183,18 +180,21 @@ class Channel:
         link: LinkProfile = NO_LINK,
         timeout: float = DEFAULT_TIMEOUT,
         max_frame: int = MAX_FRAME,
+        handshake_timeout: float | None = None,
     ) -> "Channel":
-        """Run the server side of the handshake on a socket an accept loop already took."""
+        """Run the server side of the handshake on a socket an accept loop already took;
+        ``handshake_timeout`` (default ``timeout``) bounds each wait of TLS and the hello."""
         check = (lambda n: n == allowed_peer) if isinstance(allowed_peer, str) else allowed_peer
-        sock.settimeout(timeout)
+        sock.settimeout(handshake_timeout or timeout)
         inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
         sslobj = ctx.wrap_bio(inc, out, server_side=True)
         ch = cls(sock, sslobj, inc, out, kind=kind, meter=meter, link=link, timeout=timeout,
                  label=f"{kind} channel (accepted)", max_frame=max_frame)
-        ch._establish(check, str(allowed_peer) if isinstance(allowed_peer, str) else "an allowed peer")
+        ch._establish(check, str(allowed_peer) if isinstance(allowed_peer, str) else "an allowed peer",
+                      handshake_timeout or timeout)
         return ch
 
-    def _establish(self, check: Callable[[str], bool], wanted: str) -> None:
+    def _establish(self, check: Callable[[str], bool], wanted: str, hello_wait: float) -> None:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             self._handshake()
@@ -213,6 +213,7 @@ class Channel:
         # In TLS 1.3 the client finishes its handshake before the server has checked the
         # client's certificate; exchanging a hello frame surfaces a rejection here, at
         # connect time, instead of at the first protocol message.
+        session_wait, self.timeout = self.timeout, hello_wait
         try:
             self.send_frame(KIND_HELLO, b"starfish/1")
             kind, payload = self._next_frame()
@@ -222,6 +223,7 @@ class Channel:
         if kind != KIND_HELLO or bytes(payload) != b"starfish/1":
             self.close()
             raise HandshakeError(f"{self.label}: peer speaks another protocol")
+        self.timeout = session_wait
 
     def _handshake(self) -> None:
         while True:
@@ -328,6 +330,7 @@ class Channel:
                     if data:
                         self._send_sock.sendall(data)
         except BaseException as exc:  # noqa: BLE001 - any failure ends the channel
+            self._reader_stopped.set()
             self._frames.put(_Closed(exc))
 
     def _next_frame(self) -> tuple[int, bytearray]:
@@ -363,6 +366,12 @@ class Channel:
             self.meter.received(self.kind, len(payload) + HEADER_BYTES)
         self._round_open = False
         return payload
+
+    @property
+    def peer_closed(self) -> bool:
+        """True once the connection is gone (EOF, reset, TLS error, or a failed send); cheap and
+        thread-safe, so a side that is not receiving can still poll for a dead peer."""
+        return self._reader_stopped.is_set() or self._closed is not None
 
     def _check_open(self) -> None:
         if self._closed is not None:

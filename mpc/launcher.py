@@ -7,15 +7,22 @@ users who try the primitives in their own two-party programs.
 
 Processes come from a fork server that has already imported torch and CrypTen, so a
 run costs a fork, not a fresh interpreter (a spawn costs seconds per process).
+
+Without ``keys_dir`` each run makes its own throw-away CA and certificates and deletes them
+when it ends, however it ends: nothing else needs them, and private keys must not pile up in
+the temporary directory (a test suite used to leave dozens of CAs behind).
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -29,6 +36,7 @@ from .dealer import DealerServer
 from .session import open_party
 
 _KEYS_DIR: str | None = None
+_KEYS_LOCK = threading.Lock()
 
 
 class PartyError(RuntimeError):
@@ -47,14 +55,36 @@ class PartyResults:
     seconds: float = 0.0
 
 
-def ephemeral_keys() -> str:
-    """A CA and party/dealer certificates in a temporary directory, made once per process."""
-    global _KEYS_DIR
-    if _KEYS_DIR is None:
-        d = tempfile.mkdtemp(prefix="starfish-keys-")
+def _make_keys(keep_ca_key: bool) -> str:
+    """A new private directory (0700, files 0600) with a CA and every certificate."""
+    d = tempfile.mkdtemp(prefix="starfish-keys-")  # mkdtemp makes it 0700
+    try:
         tls.init_keys(d)
-        _KEYS_DIR = d
-    return _KEYS_DIR
+        if not keep_ca_key:
+            os.remove(os.path.join(d, "ca.key"))  # every certificate is issued: drop the power to mint more
+        for name in os.listdir(d):
+            os.chmod(os.path.join(d, name), 0o600)
+    except BaseException:
+        shutil.rmtree(d, ignore_errors=True)
+        raise
+    return d
+
+
+def _remove_keys(path: str, owner: int) -> None:
+    if os.getpid() == owner:  # a forked child inherits atexit handlers, not the directory
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def ephemeral_keys() -> str:
+    """A CA (key kept, so a test may issue more) and party/dealer certificates in a private
+    temporary directory, made once per process and removed when the process exits."""
+    global _KEYS_DIR
+    with _KEYS_LOCK:
+        if _KEYS_DIR is None:
+            d = _make_keys(keep_ca_key=True)
+            atexit.register(_remove_keys, d, os.getpid())
+            _KEYS_DIR = d
+        return _KEYS_DIR
 
 
 def mp_context():
@@ -95,6 +125,7 @@ def _party_main(rank: int, fn: Callable, args: tuple, kwargs: dict, opts: dict, 
             dealer_link=opts["dealer_link"],
             timeout=opts["timeout"],
             truncation=opts["truncation"],
+            ticket=opts.get("ticket"),
         )
         if opts.get("plan") is not None:
             with party.meter("prefill"):
@@ -121,6 +152,7 @@ def run_parties(
     threads: int = 1,
     party_args: tuple[tuple, tuple] = ((), ()),
     truncation: str = "wrapfree",
+    ticket: bytes | None = None,
     **kwargs: Any,
 ) -> PartyResults:
     """Run ``fn(party, *args, **kwargs)`` as both parties; see the module docstring.
@@ -136,21 +168,23 @@ def run_parties(
     party_args: extra positional arguments for party 0 and for party 1 only (e.g. each
         server's own shares), appended after ``args``; the other party never receives them.
     truncation: "wrapfree" (default) or "local" (see ``mpc.session.open_party``).
+    keys_dir: a key directory (``starfish keys init``); default: a throw-away one for this run.
+    ticket: the session ticket both parties present (see ``mpc.session.open_party``).
     """
     prov = {"dealer": "STARFISH_DEALER", "tfp": "TFP"}.get(provider)
     if prov is None:
         raise ValueError(f"provider must be 'dealer' or 'tfp', not {provider!r}")
-    keys_dir = keys_dir or ephemeral_keys()
     ctx = mp_context()
     ports, results = ctx.Queue(), ctx.Queue()
     procs: list[mp.Process] = []
     t0 = time.perf_counter()
+    own_keys = None if keys_dir else _make_keys(keep_ca_key=False)
     try:
-        opts: dict[str, Any] = {"keys_dir": keys_dir, "provider": prov, "link": link,
+        opts: dict[str, Any] = {"keys_dir": keys_dir or own_keys, "provider": prov, "link": link,
                                 "dealer_link": dealer_link, "timeout": timeout, "plan": plan,
-                                "threads": threads, "truncation": truncation}
+                                "threads": threads, "truncation": truncation, "ticket": ticket}
         if prov == "STARFISH_DEALER":
-            dealer = ctx.Process(target=_dealer_main, args=(keys_dir, ports), daemon=True, name="dealer")
+            dealer = ctx.Process(target=_dealer_main, args=(opts["keys_dir"], ports), daemon=True, name="dealer")
             dealer.start()
             procs.append(dealer)
             opts["dealer_address"] = ("127.0.0.1", _await_port(ports, "dealer", timeout, procs))
@@ -169,6 +203,8 @@ def run_parties(
                 p.terminate()
         for p in procs:
             p.join(5)
+        if own_keys is not None:
+            shutil.rmtree(own_keys, ignore_errors=True)
     errors = {r: msg for r, (status, msg) in outcomes.items() if status == "error"}
     if errors:
         first = min(errors)

@@ -21,6 +21,7 @@ from .communicator import TwoPartyCommunicator
 from .dealer import DealerLink
 from .dealer_provider import NAME as DEALER, DealerProvider
 from .encoding import DEFAULT_PRECISION
+from .peer_accept import accept_peer, check_ticket, connect_peer
 from .tfp import TestOnlyTFP
 from .truncation import truncate_share
 
@@ -51,6 +52,15 @@ class Party:
 
     def meters(self) -> dict:
         return self.metering.as_dict()
+
+    def peer_alive(self) -> bool:
+        """False once the other server's connection, or party 1's dealer connection, is gone
+        (a killed process's sockets are closed by its kernel, so this turns within moments).
+        Cheap; meant to be polled while waiting on something else, e.g. clients. Party 0's
+        dealer connection is not watched: the dealer hangs up once it has handed out seed 0."""
+        if self.channel.peer_closed:
+            return False
+        return not (self.rank == 1 and self.dealer is not None and self.dealer.channel.peer_closed)
 
     @property
     def recorded_plan(self) -> list[tuple]:
@@ -95,8 +105,14 @@ def open_party(
     dealer_link: LinkProfile = NO_LINK,
     timeout: float = 120.0,
     truncation: str = "wrapfree",
+    ticket: bytes | None = None,
 ) -> Party:
     """Join a two-party session as ``rank``; party 1 accepts, party 0 connects.
+
+    ``ticket`` names this session attempt (e.g. ``b"job:<id>:attempt:<n>"``; at most 1024 bytes):
+    party 1 admits only a ``server0`` connection that presents the same ticket, and skips
+    anything else reaching its listener (``mpc.peer_accept``). ``None`` is the empty ticket.
+    Both sides try until ``timeout`` seconds have passed, which also bounds each later receive.
 
     ``truncation``: "wrapfree" (default: every fixed-point truncation uses a dealer truncation
     pair and cannot wrap, ``mpc.truncation``) or "local" (CrypTen's share division, which wraps
@@ -110,38 +126,51 @@ def open_party(
         )
     if provider not in (DEALER, TFP):
         raise ValueError(f"unknown provider {provider!r}")
+    wire_ticket = check_ticket(ticket)
     ident = tls.identity(keys_dir, tls.PARTY_NAMES[rank])
     meter = metering.Meter()
     metering.set_current(meter)
-    with meter.step("setup"):
-        if rank == 1:
-            if peer_listener is None:
-                raise ValueError("party 1 needs a listening socket")
-            ch = Channel.accept(peer_listener, tls.server_context(ident), tls.PARTY_NAMES[0],
-                                kind="online", meter=meter, link=link, timeout=timeout)
-        else:
-            if peer_address is None:
-                raise ValueError("party 0 needs the address of party 1")
-            ch = Channel.connect(peer_address, tls.client_context(ident), tls.PARTY_NAMES[1],
+    ch: Channel | None = None
+    dch: Channel | None = None
+    try:
+        with meter.step("setup"):
+            if rank == 1:
+                if peer_listener is None:
+                    raise ValueError("party 1 needs a listening socket")
+                ch = accept_peer(peer_listener, tls.server_context(ident), tls.PARTY_NAMES[0], wire_ticket,
                                  kind="online", meter=meter, link=link, timeout=timeout)
-        if rank == 0:
-            session_id = os.urandom(16)
-            ch.send_frame(KIND_OBJECT, session_id)
-        else:
-            session_id = bytes(ch.recv_frame(KIND_OBJECT, 16))
+            else:
+                if peer_address is None:
+                    raise ValueError("party 0 needs the address of party 1")
+                ch = connect_peer(peer_address, tls.client_context(ident), tls.PARTY_NAMES[1], wire_ticket,
+                                  kind="online", meter=meter, link=link, timeout=timeout)
+            if rank == 0:
+                session_id = os.urandom(16)
+                ch.send_frame(KIND_OBJECT, session_id)
+            else:
+                session_id = bytes(ch.recv_frame(KIND_OBJECT, 16))
 
-        TwoPartyCommunicator.instance = TwoPartyCommunicator(rank, ch)
-        cc.install_communicator(TwoPartyCommunicator)
-        cc.seed_generators()
+            TwoPartyCommunicator.instance = TwoPartyCommunicator(rank, ch)
+            cc.install_communicator(TwoPartyCommunicator)
+            cc.seed_generators()
 
-        dealer = None
-        if provider == DEALER:
-            if dealer_address is None:
-                raise ValueError("the dealer provider needs the dealer's address")
-            dch = Channel.connect(dealer_address, tls.client_context(ident), tls.DEALER_NAME,
-                                  kind="offline", meter=meter, link=dealer_link, timeout=timeout)
-            dealer = DealerLink(dch, rank, session_id)
-            _provider.attach(rank, dealer)
-        cc.use_provider(provider)
-        cc.replace_local_truncation(truncate_share if truncation == "wrapfree" else None)
+            dealer = None
+            if provider == DEALER:
+                if dealer_address is None:
+                    raise ValueError("the dealer provider needs the dealer's address")
+                dch = Channel.connect(dealer_address, tls.client_context(ident), tls.DEALER_NAME,
+                                      kind="offline", meter=meter, link=dealer_link, timeout=timeout)
+                dealer = DealerLink(dch, rank, session_id)
+                _provider.attach(rank, dealer)
+            cc.use_provider(provider)
+            cc.replace_local_truncation(truncate_share if truncation == "wrapfree" else None)
+    except BaseException:
+        # a half-open session would keep the peer waiting on a live socket until its timeout
+        for c in (dch, ch):
+            if c is not None:
+                c.close()
+        _provider.detach()
+        TwoPartyCommunicator.shutdown()
+        metering.set_current(None)
+        raise
     return Party(rank, ch, meter, provider, dealer, {"session_id": session_id.hex()})
