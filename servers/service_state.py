@@ -9,7 +9,10 @@ rounds; it has no place for two facts the service needs across restarts:
   (FedAvg weights are |D_j| / sum |D_k| over the agreed participants; the servers compare
   the values they each received and drop a client that reported two different sizes).
 
-SQLite, WAL, ``synchronous=FULL``: a write that returned survives a crash. Ordering with
+SQLite, WAL, ``synchronous=FULL``, ``secure_delete=ON`` (deleted rows are overwritten with
+zeros): a write that returned survives a crash. When an unlearning job forgets a client,
+:meth:`ServiceState.forget_client` deletes its sizes and truncates the WAL, so no copy of
+them stays in this file (docs/share_store.md, "Erasure"). Ordering with
 the history store: the size row is written before the upload is staged, the nonce after
 the action succeeded; a crash in between leaves at most an unused size row (harmless) or
 an action whose nonce was not recorded (its replay is then recognised by the history
@@ -44,6 +47,8 @@ class ServiceState:
             os.chmod(self.path, 0o600)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
+        if self._conn.execute("PRAGMA secure_delete=ON").fetchone()[0] != 1:
+            raise RuntimeError(f"{self.path}: this SQLite cannot enable secure_delete")
         for stmt in _SCHEMA.split(";"):
             if stmt.strip():
                 self._conn.execute(stmt)
@@ -86,3 +91,17 @@ class ServiceState:
         """Sizes of committed rounds live in the round's metadata; drop the sidecar copies."""
         with self._lock:
             self._conn.execute("DELETE FROM upload_sizes WHERE round < ?", (round_,))
+
+    def forget_client(self, client: int) -> int:
+        """Delete every size row of ``client`` (an unlearning job forgot it); return how many.
+
+        secure_delete overwrites the rows in their pages; the WAL is then checkpointed and
+        truncated so that no older copy of those pages stays in it.
+        """
+        with self._lock:
+            n = self._conn.execute("DELETE FROM upload_sizes WHERE client = ?",
+                                   (int(client),)).rowcount
+            busy = self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        if busy:
+            raise RuntimeError(f"{self.path}: the WAL could not be checkpointed (busy)")
+        return int(n)

@@ -13,6 +13,8 @@ servers agreed on and never show half of one (docs/design.md 4.4).
   crash recovery at open, closing;
 * ``servers.staging``: uploads of the open round, kept until the round is committed;
 * ``servers.job_records``: unlearning-job records and their states;
+* ``servers.erasure``: adopting an unlearned model as a round and erasing the forgotten
+  clients (``adopt_unlearning``, ``forgotten``, ``reenrol``, ``erasure``, ``round_kind``);
 * this module: the committed rounds (writing them, reading them, verifying them).
 
 Input checks: ``servers.store_validation``; errors: ``servers.store_errors`` (re-exported
@@ -32,7 +34,6 @@ only inspects a store starts fast.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -47,21 +48,23 @@ import numpy as np
 
 from . import store_validation as check
 from .blobs import BlobCorruptError, BlobError, BlobMissingError, EncodedBlob, encode_blob
+from .erasure import ErasureLog, ErasureReport
 from .job_records import FINISHED, JobRecord, JobRecords, JobState
 from .staging import StagingArea
 from .store_catalog import locked
-from .store_errors import (CatalogCorruptError, JobError, RoundConflictError, RoundOrderError,
-                           StagingConflictError, StagingError, StoreClosedError, StoreError,
-                           StoreLockedError)
+from .store_errors import (CatalogCorruptError, ForgottenClientError, JobError,
+                           RoundConflictError, RoundOrderError, StagingConflictError,
+                           StagingError, StoreClosedError, StoreError, StoreLockedError)
+from .store_schema import round_hash
 from .store_validation import MAX_METADATA_BYTES, ClientShares
 
 __all__ = [
     "ShareStore", "ClientShares", "RoundInfo", "JobRecord", "JobState", "FINISHED",
-    "MAX_METADATA_BYTES",
+    "ErasureReport", "MAX_METADATA_BYTES",
     # errors (defined in servers.store_errors and servers.blobs)
     "StoreError", "StoreClosedError", "StoreLockedError", "CatalogCorruptError",
     "RoundOrderError", "RoundConflictError", "StagingError", "StagingConflictError", "JobError",
-    "BlobError", "BlobCorruptError", "BlobMissingError",
+    "ForgottenClientError", "BlobError", "BlobCorruptError", "BlobMissingError",
 ]
 
 log = logging.getLogger("starfish.store")
@@ -88,18 +91,7 @@ class RoundInfo:
     committed_at: float
 
 
-def _round_hash(i: int, model_digest: str, parts: Sequence[int], weights: Mapping[int, float],
-                refs: Mapping[int, Sequence[str]], meta_json: str) -> str:
-    """Canonical digest of a round's full content (what "identical replay" means)."""
-    doc = {
-        "round": i, "model": model_digest, "participants": list(parts),
-        "weights": [float(weights[j]).hex() for j in parts],
-        "shares": [list(refs[j]) for j in parts], "metadata": meta_json,
-    }
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-class ShareStore(StagingArea, JobRecords):
+class ShareStore(ErasureLog, StagingArea, JobRecords):
     """The durable history of one party: catalog + blobs under one directory.
 
     ``ShareStore(root, party=0, initial_model=M0, server_lr=eta)`` creates a store (or
@@ -126,6 +118,10 @@ class ShareStore(StagingArea, JobRecords):
 
     def _checkpoint_hook(self, name: str) -> None:
         _checkpoint(name)
+
+    def _invalidate_caches(self) -> None:
+        self._round_cache.clear()
+        self._model_cache.clear()
 
     def close(self) -> None:
         """Close the catalog and release the lock. Idempotent; later calls raise."""
@@ -163,7 +159,7 @@ class ShareStore(StagingArea, JobRecords):
         weights = {int(r[0]): float(r[1]) for r in rows}
         refs = {int(r[0]): (str(r[2]), str(r[3]), str(r[4])) for r in rows}
         if parts != tuple(refs) or \
-                _round_hash(i, model_blob, parts, weights, refs, meta_json) != content_hash:
+                round_hash(i, model_blob, parts, weights, refs, meta_json) != content_hash:
             raise CatalogCorruptError(f"{self.root}: catalog rows of round {i} do not match the "
                                       "content hash committed with them")
         info = RoundInfo(i, parts, MappingProxyType(weights), MappingProxyType(meta),
@@ -278,7 +274,7 @@ class ShareStore(StagingArea, JobRecords):
         """The commit protocol: blobs durable first, then one catalog transaction."""
         self.blobs.put_many([model_blob, *share_blobs])
         _checkpoint("round-blobs-durable")
-        content_hash = _round_hash(i, model_blob.digest, parts, weights, refs, meta_json)
+        content_hash = round_hash(i, model_blob.digest, parts, weights, refs, meta_json)
         with self._txn() as c:
             old = [(int(j), str(r)) for j, r in c.execute(
                 "SELECT client, update_ref FROM staged WHERE round = ?", (i,))]
@@ -328,6 +324,7 @@ class ShareStore(StagingArea, JobRecords):
         if i != self._T + 1:
             raise RoundOrderError(f"cannot store round {i}: the store has rounds 1..{self._T}, "
                                   f"the next is {self._T + 1}")
+        self._refuse_forgotten(parts)
         self._write_round(i, model_blob, parts, w, refs, meta_json,
                           [b for j in parts for b in ups[j].blobs])
         return True

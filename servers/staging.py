@@ -9,18 +9,22 @@ others). :class:`StagingArea` is that waiting room: the ``staged`` table of the 
 the upload's blob, written blob first, then one transaction.
 
 A client's retry of the identical upload is a no-op; a different upload for the same
-round is refused unless explicitly replaced. Uploads are accepted for the open round only.
+round is refused unless explicitly replaced. Uploads are accepted for the open round only,
+and never from a client an unlearning job forgot (``servers.erasure``) unless it was
+re-enrolled.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from . import store_validation as check
 from .store_catalog import StoreCatalog, locked
-from .store_errors import CatalogCorruptError, StagingConflictError, StagingError
+from .store_errors import (CatalogCorruptError, ForgottenClientError, StagingConflictError,
+                           StagingError)
 from .store_validation import ClientShares, Upload
 
 __all__ = ["StagingArea"]
@@ -44,6 +48,17 @@ class StagingArea(StoreCatalog):
             out[int(j)] = refs
         return out
 
+    def _refuse_forgotten(self, clients: Iterable[int]) -> None:
+        """ForgottenClientError if any of ``clients`` is forgotten and not re-enrolled."""
+        assert self._conn is not None
+        for j in clients:
+            row = self._conn.execute("SELECT job FROM forgotten WHERE client = ? AND "
+                                     "reenrolled_at IS NULL", (j,)).fetchone()
+            if row is not None:
+                raise ForgottenClientError(
+                    f"client {j} was forgotten by unlearning job {row[0]}; its uploads are "
+                    "refused unless an admin re-enrols it")
+
     def _check_open_round(self, i: int) -> None:
         if i <= self._T:
             raise StagingError(f"round {i} is already committed; its uploads are closed")
@@ -57,13 +72,15 @@ class StagingArea(StoreCatalog):
 
         Returns True when stored, False when the identical upload was already staged (a
         client retry). A different upload from the same client raises
-        StagingConflictError unless ``replace`` is True. When this returns, the upload
+        StagingConflictError unless ``replace`` is True; a forgotten client (not
+        re-enrolled) raises ForgottenClientError. When this returns, the upload
         survives a crash; a crash before it returns leaves either nothing or the whole
         upload staged.
         """
         i = check.round_no(round)
         j = check.client_id(client)
         up = check.upload(ClientShares(update, norm, delta), f"client {j}", self._party, self._dim)
+        self._refuse_forgotten([j])
         self._check_open_round(i)
         old = self._staged_rows(i).get(j)
         if old is not None:
@@ -90,6 +107,16 @@ class StagingArea(StoreCatalog):
     def staged(self, round: int) -> tuple[int, ...]:
         """Clients with a staged upload for ``round`` (sorted); empty once it is committed."""
         return tuple(self._staged_rows(check.round_no(round)))
+
+    @locked
+    def staged_summary(self, round: int) -> list[dict[str, Any]]:
+        """Public bookkeeping of ``round``'s staged uploads, for an admin listing: one
+        ``{"client", "staged_at", "upload_hash"}`` per upload, by client (no share values)."""
+        assert self._conn is not None
+        return [{"client": int(j), "staged_at": float(t), "upload_hash": str(h)}
+                for j, t, h in self._conn.execute(
+                    "SELECT client, staged_at, upload_hash FROM staged WHERE round = ? "
+                    "ORDER BY client", (check.round_no(round),))]
 
     @locked
     def staged_upload(self, round: int, client: int) -> ClientShares:

@@ -9,11 +9,14 @@ else; the store's contents are added by the parts built on it (``servers.staging
 ``servers.job_records``, ``servers.share_store``), which all use its transactions,
 its :func:`locked` methods and its reading of share references.
 
-Catalog schema (one SQLite file, ``catalog.sqlite3``): ``meta`` (format, party, model
-length, precision, server learning rate, digest of M_0), ``rounds`` and ``round_shares``
-(committed rounds), ``staged`` (uploads for the open round), ``jobs`` (unlearning-job
-records). Share references are text: ``blob:<digest>``, ``seed:<hex>``, ``int:<n>``.
-This module imports neither torch nor CrypTen.
+Catalog schema (one SQLite file, ``catalog.sqlite3``; the tables in
+``servers.store_schema``): ``meta`` (format, party, model length, precision, server learning
+rate, digest of M_0, the ``compact_pending`` flag of an erasure), ``rounds`` and
+``round_shares`` (committed rounds), ``staged`` (uploads for the open round), ``jobs``
+(unlearning-job records), ``forgotten`` and ``erasures`` (``servers.erasure``). Share
+references are text: ``blob:<digest>``, ``seed:<hex>``, ``int:<n>``. Every connection runs
+with ``secure_delete=ON``: SQLite overwrites deleted rows with zeros. This module imports
+neither torch nor CrypTen.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from . import blobs as _blobs
 from . import store_validation as check
 from .blobs import BlobStore, encode_blob
 from .store_errors import CatalogCorruptError, StoreClosedError, StoreError, StoreLockedError
+from .store_schema import create_or_migrate
 
 __all__ = ["FORMAT_VERSION", "CATALOG", "LOCK", "StoreCatalog", "locked"]
 
@@ -49,45 +53,6 @@ FORMAT_VERSION = 1
 CATALOG = "catalog.sqlite3"
 LOCK = "LOCK"
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta(
-    key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS rounds(
-    round INTEGER PRIMARY KEY CHECK(round >= 1),
-    model_blob TEXT NOT NULL,
-    participants TEXT NOT NULL,
-    metadata TEXT NOT NULL,
-    content_hash TEXT NOT NULL,
-    committed_at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS round_shares(
-    round INTEGER NOT NULL REFERENCES rounds(round),
-    client INTEGER NOT NULL,
-    weight REAL NOT NULL,
-    update_ref TEXT NOT NULL,
-    norm_ref TEXT NOT NULL,
-    delta_ref TEXT NOT NULL,
-    PRIMARY KEY(round, client)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS staged(
-    round INTEGER NOT NULL,
-    client INTEGER NOT NULL,
-    update_ref TEXT NOT NULL,
-    norm_ref TEXT NOT NULL,
-    delta_ref TEXT NOT NULL,
-    upload_hash TEXT NOT NULL,
-    staged_at REAL NOT NULL,
-    PRIMARY KEY(round, client)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS jobs(
-    id TEXT PRIMARY KEY,
-    requester TEXT NOT NULL,
-    targets TEXT NOT NULL,
-    params TEXT NOT NULL,
-    state TEXT NOT NULL,
-    progress REAL NOT NULL,
-    result_path TEXT,
-    error TEXT,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL);
-"""
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -146,6 +111,10 @@ class StoreCatalog:
         :class:`servers.share_store.ShareStore` routes it to ``servers.share_store._checkpoint``,
         the one name crash tests replace."""
 
+    def _invalidate_caches(self) -> None:
+        """Forget in-process copies of catalog rows (after a write that rewrites rounds).
+        No-op here; :class:`servers.share_store.ShareStore` clears its round/model caches."""
+
     # ---------------------------------------------------------------- open / close
     def _acquire_lock(self) -> None:
         fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
@@ -169,13 +138,17 @@ class StoreCatalog:
             raise StoreError(f"{path}: cannot switch the catalog to WAL mode (got {mode})")
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA foreign_keys=ON")
+        # deleted rows (an erasure, a dropped upload) are overwritten with zeros in the page
+        if conn.execute("PRAGMA secure_delete=ON").fetchone()[0] != 1:
+            raise StoreError(f"{path}: this SQLite cannot enable secure_delete")
         ok = conn.execute("PRAGMA quick_check").fetchone()[0]
         if ok != "ok":
             raise CatalogCorruptError(f"{path}: SQLite integrity check failed: {ok}")
-        with self._txn():
-            for stmt in _SCHEMA.split(";"):
-                if stmt.strip():
-                    conn.execute(stmt)
+        with self._txn() as c:
+            added = create_or_migrate(c)
+        if added and existed:
+            log.warning("history store %s: catalog migrated (jobs columns added: %s)",
+                        self.root, ", ".join(added))
         if not existed:
             _blobs.fsync_dir(self.root)
 
@@ -266,6 +239,8 @@ class StoreCatalog:
         removed = self.blobs.sweep(self._referenced())
         for p in removed:
             log.warning("history store %s: removed crash leftover %s", self.root, p)
+        if removed:
+            _blobs.fsync_dir(self.blobs.dir)  # the removals are durable (an erasure's blobs)
         return removed
 
     def _release(self) -> None:

@@ -1,8 +1,9 @@
 """The history store's errors, in one place for every part of the store.
 
 Why a module of its own: the store is split by job (``servers.store_catalog``,
-``servers.staging``, ``servers.job_records``, ``servers.share_store``) and all of them raise
-these; callers catch them through ``servers.share_store``, which re-exports them.
+``servers.staging``, ``servers.job_records``, ``servers.erasure``, ``servers.share_store``)
+and all of them raise these; callers catch them through ``servers.share_store``, which
+re-exports them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = [
     "StagingError",
     "StagingConflictError",
     "JobError",
+    "ForgottenClientError",
 ]
 
 
@@ -54,3 +56,8 @@ class StagingConflictError(StagingError):
 
 class JobError(StoreError, ValueError):
     """An unlearning-job record operation is invalid."""
+
+
+class ForgottenClientError(StoreError):
+    """The client was forgotten by an unlearning job (and not re-enrolled): its uploads are
+    refused."""

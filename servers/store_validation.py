@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from .blobs import EncodedBlob, encode_blob
 __all__ = [
     "MAX_METADATA_BYTES",
     "MAX_CLIENT",
+    "JOB_ID_RE",
     "ClientShares",
     "Upload",
     "upload",
@@ -40,12 +42,15 @@ __all__ = [
     "weights",
     "metadata",
     "model",
+    "job_id",
 ]
 
 #: Free-form metadata of a round or job is public and small; bound it.
 MAX_METADATA_BYTES = 64 * 1024
 #: Client ids (and round numbers) are SQLite integers: 0..2^63-1.
 MAX_CLIENT = 2**63 - 1
+#: Unlearning-job ids: short, printable, safe in file names and logs.
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 @dataclass(frozen=True)
@@ -223,3 +228,10 @@ def model(value: Any, dim: int | None) -> np.ndarray:
     if not np.all(np.isfinite(arr)):
         raise ValueError("model contains NaN or infinity; refusing to store it")
     return arr
+
+
+def job_id(value: Any) -> str:
+    """An unlearning-job id (``JOB_ID_RE``)."""
+    if not isinstance(value, str) or not JOB_ID_RE.match(value):
+        raise ValueError(f"job id must match {JOB_ID_RE.pattern}, got {value!r}")
+    return value
