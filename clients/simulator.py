@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -32,8 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from mpc.sharing import share
-from mpc import wire
+from mpc import tls, wire
 from mpc.service_config import ServiceConfig
 
 from .backdoor import BackdoorClient, default_trigger
@@ -41,10 +39,11 @@ from .datasets import load_dataset
 from .models import build_model
 from .partition import partition
 from .service_client import ServiceClient, ServiceError
+from .share_seeds import seeded_shares, share_seed
 from .training import LocalClient
 
 __all__ = ["FederationSpec", "Federation", "build_federation", "Simulator", "SimulatedClient",
-           "TwinRecorder"]
+           "TwinRecorder", "parse_unlearn"]
 
 log = logging.getLogger("starfish.clients")
 
@@ -114,30 +113,54 @@ class TwinRecorder(Protocol):
 class SimulatedClient:
     local: Any                                   # clients.training.LocalClient
     conns: tuple[ServiceClient, ServiceClient]
+    seed_key: bytes = b""                        # the client's private key: the source of its seeds
     uploaded: set[int] = field(default_factory=set)
     answered: set[str] = field(default_factory=set)
     records: dict[int, tuple[np.ndarray, float, float]] = field(default_factory=dict)
+    forgotten: bool = False
 
     @property
     def id(self) -> int:
         return int(self.local.client_id)
 
 
+def parse_unlearn(spec: str | None) -> list[tuple[int, int | None]]:
+    """``"3@20,5"``: client 3 asks once 20 FL rounds are committed, client 5 after training."""
+    out: list[tuple[int, int | None]] = []
+    for item in str(spec or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        cid, _, at = item.partition("@")
+        try:
+            out.append((int(cid), int(at) if at else None))
+        except ValueError:
+            raise ValueError(f"--unlearn: {item!r} is not CLIENT or CLIENT@ROUND") from None
+    return out
+
+
 class Simulator:
-    """Runs simulated clients against a deployment until its exit condition."""
+    """Runs simulated clients against a deployment until its exit condition.
+
+    ``unlearn``: (client, fl_round) pairs: the client requests unlearning of its own data once
+    ``fl_round`` FL rounds are committed (None: once training is over). ``until``: "training"
+    exits when training is over and every request made has finished (adopted, failed or
+    cancelled); "never" runs until stopped.
+    """
 
     def __init__(self, cfg: ServiceConfig, federation: Federation, ids: Sequence[int], *,
-                 twin: TwinRecorder | None = None, unlearn: Sequence[int] = (),
+                 twin: TwinRecorder | None = None, unlearn: Sequence[tuple[int, int | None]] = (),
                  until: str = "training", max_seconds: float = 3600.0,
                  say: Callable[[str], None] | None = None) -> None:
         if until not in ("training", "jobs", "never"):
             raise ValueError("until must be training, jobs or never")
-        if until == "jobs" and not unlearn:
-            raise ValueError("--until jobs needs --unlearn")
         self.cfg = cfg
         self.fed = federation
         self.twin = twin
-        self.unlearn = list(unlearn)
+        self.unlearn = [(int(c), None if r is None else int(r)) for c, r in unlearn]
+        unknown = sorted({c for c, _ in self.unlearn} - set(ids))
+        if unknown:
+            raise ValueError(f"--unlearn names clients {unknown} that are not simulated here")
         self.until = until
         self.max_seconds = max_seconds
         self.say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -145,12 +168,15 @@ class Simulator:
         self.clients: list[SimulatedClient] = []
         by_id = {c.client_id: c for c in federation.clients}
         for j in ids:
-            conns = tuple(ServiceClient(cfg.keys_dir, f"client-{j}", p, cfg.server(p).api().address,
+            ident = f"client-{j}"
+            conns = tuple(ServiceClient(cfg.keys_dir, ident, p, cfg.server(p).api().address,
                                         max_bytes=cfg.limits.max_frame_bytes) for p in (0, 1))
-            self.clients.append(SimulatedClient(by_id[j], conns))  # type: ignore[arg-type]
+            key = tls.identity(cfg.keys_dir, ident).key.read_bytes()
+            self.clients.append(SimulatedClient(by_id[j], conns, seed_key=key))  # type: ignore[arg-type]
         self.jobs: dict[str, dict[str, Any]] = {}
-        self.summary: dict[str, Any] = {"rounds_uploaded": 0, "tasks_answered": 0}
-        self._twin_done = False
+        self.summary: dict[str, Any] = {"rounds_uploaded": 0, "tasks_answered": 0, "refused_uploads": {}}
+        self._infos: dict[int, dict[str, Any]] = {}
+        self._requested: set[int] = set()
         self._last_line = ""
         self._t0 = time.monotonic()
 
@@ -166,10 +192,15 @@ class Simulator:
         t = reply["model"]
         return wire.decode_tensor(t, "model", ("<f8", "<f4"), tuple(t["shape"])).astype(np.float64)
 
-    def _upload_shares(self, c: SimulatedClient, op: str, values: dict[str, np.ndarray],
+    def _upload_shares(self, c: SimulatedClient, op: str, label: str, values: dict[str, np.ndarray],
                        precision: int, **extra: Any) -> list[bool]:
-        """Share each value (share 0 as a seed) and send one share to each server."""
-        shares = {k: share(v, compress=True, precision=precision) for k, v in values.items()}
+        """Share each value (share 0 as a seed) and send one share to each server.
+
+        The seeds come from the client's private key and ``label`` (``clients.share_seeds``),
+        so after a crash the client sends the very same shares again, which the servers
+        recognise as a replay.
+        """
+        shares = seeded_shares(c.seed_key, label, values, precision)
         out = []
         for p in (0, 1):
             fields = {k: wire.share_field(s.seed0 if p == 0 else s.share1) for k, s in shares.items()}
@@ -178,7 +209,7 @@ class Simulator:
 
     # ------------------------------------------------------------------ FL
     def _train_round(self, r: int, precision: int) -> bool:
-        pending = [c for c in self.clients if r not in c.uploaded]
+        pending = [c for c in self.clients if r not in c.uploaded and not c.forgotten]
         if not pending:
             return False
         ref = self.clients[0]
@@ -190,30 +221,63 @@ class Simulator:
             raise RuntimeError(f"the servers publish different models M_{r - 1}")
         vec = torch.from_numpy(model)
         t0 = time.monotonic()
+        done = 0
         for c in pending:
             up = c.local.train(vec, r)
             g = up.update.detach().to(torch.float64).numpy()
             values = {"update": g, "norm": np.array(up.norm), "delta": np.array(up.delta)}
             try:
-                self._upload_shares(c, "upload", values, precision, round=r,
+                self._upload_shares(c, "upload", f"round/{r}", values, precision, round=r,
                                     num_samples=int(up.num_samples))
                 c.records[r] = (g.copy(), float(up.norm), float(up.delta))
             except ServiceError as exc:
+                if exc.code == "paused":
+                    return done > 0   # an unlearning job started; retry on the model it adopts
+                if exc.code == "forgotten":
+                    c.forgotten = True
+                    self.summary["refused_uploads"][str(c.id)] = f"{exc.code}: {exc.message}"
+                    self.say(f"client {c.id}: upload for round {r} refused: {exc.code} ({exc.message})")
+                    continue
                 if exc.code != "closed":
                     raise
                 self.say(f"client {c.id}: round {r} closed before its upload ({exc.message})")
             c.uploaded.add(r)
+            done += 1
         self.summary["rounds_uploaded"] += 1
-        self.say(f"clients: round {r}/{self.cfg.fl.rounds}: {len(pending)} uploads "
-                 f"({time.monotonic() - t0:.1f}s, {time.monotonic() - self._t0:.0f}s total)")
+        self.say(f"clients: round {r}: {done} uploads ({time.monotonic() - t0:.1f}s, "
+                 f"{time.monotonic() - self._t0:.0f}s total)")
         return True
+
+    def try_forgotten_upload(self, client: int, r: int, precision: int) -> str | None:
+        """Show that a forgotten client is refused: one upload attempt; the refusal or None."""
+        c = next(x for x in self.clients if x.id == client)
+        model = self._model(self._call(c, 0, "get_model"))
+        up = c.local.train(torch.from_numpy(model), r)
+        values = {"update": up.update.detach().to(torch.float64).numpy(),
+                  "norm": np.array(up.norm), "delta": np.array(up.delta)}
+        try:
+            self._upload_shares(c, "upload", f"round/{r}", values, precision, round=r,
+                                num_samples=int(up.num_samples))
+        except ServiceError as exc:
+            c.forgotten = exc.code == "forgotten" or c.forgotten
+            self.summary["refused_uploads"][str(client)] = f"{exc.code}: {exc.message}"
+            return f"{exc.code}: {exc.message}"
+        return None
 
     # ------------------------------------------------------------------ correction tasks
     def _answer_tasks(self, precision: int) -> bool:
         did = False
         for c in self.clients:
-            t0 = {t["task"]: t for t in self._call(c, 0, "poll_tasks")["tasks"]}
-            t1 = {t["task"]: t for t in self._call(c, 1, "poll_tasks")["tasks"]}
+            if c.forgotten:
+                continue
+            try:
+                t0 = {t["task"]: t for t in self._call(c, 0, "poll_tasks")["tasks"]}
+                t1 = {t["task"]: t for t in self._call(c, 1, "poll_tasks")["tasks"]}
+            except ServiceError as exc:
+                if exc.code != "forgotten":
+                    raise
+                c.forgotten = True   # its job was adopted: it takes no further part
+                continue
             for tid in sorted(set(t0) & set(t1)):
                 if tid in c.answered:
                     continue
@@ -231,7 +295,7 @@ class Simulator:
                 up = c.local.train(torch.from_numpy(model), int(a["round"]))
                 g = up.update.detach().to(torch.float64).numpy()
                 try:
-                    self._upload_shares(c, "task_result", {"update": g}, precision, task=tid)
+                    self._upload_shares(c, "task_result", f"task/{tid}", {"update": g}, precision, task=tid)
                 except ServiceError as exc:
                     if exc.code not in ("closed", "not_found"):
                         raise
@@ -241,8 +305,17 @@ class Simulator:
         return did
 
     # ------------------------------------------------------------------ twin
+    def _note_rounds(self, T: int) -> None:
+        """Keep each committed round's public info as first seen, before any erasure: the
+        FedAvg check needs the participants the model was computed from."""
+        ref = self.clients[0]
+        for i in range(len(self._infos) + 1, T + 1):
+            self._infos[i] = self._call(ref, 0, "round_info", round=i)
+
     def write_twin(self, T: int, server_lr: float) -> dict[str, Any]:
-        """The plaintext twin history and the FedAvg check (needs every participant here)."""
+        """The plaintext twin of rounds 1..T as the clients saw them (nothing erased; an
+        unlearning round has no participants) and the FedAvg check of every FL round."""
+        self._note_rounds(T)
         ref = self.clients[0]
         by_id = {c.id: c for c in self.clients}
         prev = self._model(self._call(ref, 0, "get_model", round=0))
@@ -252,8 +325,8 @@ class Simulator:
         worst = 0.0
         participants = {}
         for i in range(1, T + 1):
-            info = self._call(ref, 0, "round_info", round=i)
-            parts = list(info["participants"])
+            info = self._infos[i]
+            parts = list(info["participants"]) if info.get("kind", "fl") == "fl" else []
             participants[i] = parts
             weights = dict(zip(parts, info["weights"]))
             model = self._model(self._call(ref, 0, "get_model", round=i))
@@ -261,8 +334,9 @@ class Simulator:
             if missing:
                 raise RuntimeError(f"round {i}: no plaintext record of clients {missing}")
             recs = {j: by_id[j].records[i] for j in parts}
-            fedavg = prev - server_lr * sum(weights[j] * recs[j][0] for j in parts)
-            worst = max(worst, float(np.abs(model - fedavg).max()))
+            if parts:
+                fedavg = prev - server_lr * sum(weights[j] * recs[j][0] for j in parts)
+                worst = max(worst, float(np.abs(model - fedavg).max()))
             if twin is not None:
                 twin.round(model, tuple(parts), weights, {j: recs[j][0] for j in parts},
                            {j: recs[j][1] for j in parts}, {j: recs[j][2] for j in parts})
@@ -273,12 +347,23 @@ class Simulator:
     # ------------------------------------------------------------------ unlearning
     def request_unlearning(self, client: int) -> str:
         c = next(x for x in self.clients if x.id == client)
-        job = f"unlearn-{client}-{secrets.token_hex(6)}"
+        # the id comes from the key, so a restarted simulator repeats the same request (the
+        # servers return the existing job) instead of queueing a second one
+        job = f"unlearn-{client}-{share_seed(c.seed_key, 'unlearn-request').hex()[:12]}"
         for p in (0, 1):
-            self._call(c, p, "unlearn", job=job)
-        self.jobs[job] = {"requester": client, "targets": [client]}
+            try:
+                self._call(c, p, "unlearn", job=job)
+            except ServiceError as exc:
+                if exc.code != "forgotten":
+                    raise
+                c.forgotten = True   # the request was made and adopted before a restart
+        self.jobs[job] = {"requester": client, "targets": [client], "order": len(self.jobs)}
         self.say(f"client {client}: requested unlearning of its data (job {job})")
         return job
+
+    def _due_requests(self, fl_rounds: int, training: bool) -> list[int]:
+        return [c for c, at in self.unlearn if c not in self._requested
+                and ((at is not None and fl_rounds >= at) or not training)]
 
     def _jobs_finished(self) -> bool:
         done = True
@@ -288,54 +373,71 @@ class Simulator:
             for p in (0, 1):
                 rec = self._call(c, p, "job_status", job=job)
                 states.append(rec["state"])
-                info[f"server{p}"] = {k: rec.get(k) for k in ("state", "progress", "error")}
+                info[f"server{p}"] = {k: rec.get(k) for k in ("state", "progress", "error", "attempts")}
+                if rec.get("result"):
+                    info["rounds"] = rec["result"].get("rounds")
+                if rec.get("receipt"):
+                    info["receipt"] = rec["receipt"]
             if any(s not in ("done", "failed", "cancelled") for s in states):
                 done = False
+            elif states == ["done", "done"] and not info.get("announced"):
+                info["announced"] = True
+                r = info.get("receipt") or {}
+                self.say(f"client {info['requester']}: job {job} adopted as round "
+                         f"{r.get('adopted_round')}; erasure receipt: rounds {r.get('rounds_erased')} "
+                         f"erased at both servers")
         return done
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> dict[str, Any]:
         deadline = time.monotonic() + self.max_seconds
         ref = self.clients[0]
-        last_progress = 0.0
+        last_poll = 0.0
         try:
             while time.monotonic() < deadline:
                 s0, s1 = self._both(ref, "state")
                 precision = int(s0["precision"])
+                same = s0["T"] == s1["T"]
+                if same:
+                    self._note_rounds(int(s0["T"]))
                 progressed = False
-                if s0["training"] and s0["T"] == s1["T"]:
+                training = bool(s0["training"] or s1["training"])
+                paused = bool(s0["paused"] or s1["paused"])
+                due = self._due_requests(int(s0["fl_rounds"]), training) if same and not paused else []
+                for cid in due:   # before training: the request comes between two rounds
+                    self._requested.add(cid)
+                    self.request_unlearning(cid)
+                if due:
+                    continue
+                if s0["training"] and same and not paused:
                     progressed |= self._train_round(int(s0["T"]) + 1, precision)
                 progressed |= self._answer_tasks(precision)
-                if not s0["training"] and not s1["training"] and s0["T"] == s1["T"]:
-                    if not self._twin_done:
-                        self.summary["T"] = int(s0["T"])
-                        self._twin_done = True
-                        if any(c.records for c in self.clients):
-                            self.summary.update(self.write_twin(int(s0["T"]), float(s0["server_lr"])))
-                            self.say(f"clients: training finished after {s0['T']} rounds; published "
-                                     f"models = plaintext FedAvg within "
-                                     f"{self.summary['fedavg_max_abs_error']:.2e}")
-                        else:
-                            self.say(f"clients: training had finished ({s0['T']} rounds) before we "
-                                     "joined; no plaintext twin")
-                        for cid in self.unlearn:
-                            self.request_unlearning(cid)
-                    if self.until == "training":
-                        break
-                    if self.until == "jobs" and time.monotonic() - last_progress > 1.0:
-                        last_progress = time.monotonic()
-                        if self._jobs_finished():
-                            break
-                        info = next(iter(self.jobs.values()))
-                        line = (f"clients: unlearning progress {100 * (info['server0']['progress'] or 0):.0f}% "
-                                f"({self.summary['tasks_answered']} correction uploads so far)")
-                        if line != self._last_line:
-                            self.say(line)
-                            self._last_line = line
+                finished = True
+                if self.jobs and time.monotonic() - last_poll > 1.0:
+                    last_poll = time.monotonic()
+                    finished = self._jobs_finished()
+                    self._progress_line()
+                elif self.jobs:
+                    finished = False
+                all_asked = len(self._requested) == len(self.unlearn)
+                if self.until != "never" and not training and same and all_asked and finished:
+                    break
                 if not progressed:
                     time.sleep(self.cfg.clients.poll_interval)  # nothing to do until a server moves
             else:
                 raise TimeoutError(f"clients: gave up after {self.max_seconds:.0f}s")
+            T = int(s0["T"])
+            self.summary["T"] = T
+            if any(c.records for c in self.clients):
+                self.summary.update(self.write_twin(T, float(s0["server_lr"])))
+                self.say(f"clients: training finished ({s0['fl_rounds']} FL rounds, {T} rounds in "
+                         f"all); published models = plaintext FedAvg within "
+                         f"{self.summary['fedavg_max_abs_error']:.2e}")
+            for job, info in self.jobs.items():
+                if info.get("server0", {}).get("state") == "done":
+                    refusal = self.try_forgotten_upload(info["requester"], T + 1, precision)
+                    self.say(f"client {info['requester']}: upload after being forgotten: "
+                             f"{refusal or 'ACCEPTED (not forgotten!)'}")
         finally:
             for c in self.clients:
                 for conn in c.conns:
@@ -343,6 +445,19 @@ class Simulator:
         self.summary["jobs"] = self.jobs
         self.summary["seconds"] = time.monotonic() - self._t0
         return self.summary
+
+    def _progress_line(self) -> None:
+        running = [(j, i) for j, i in self.jobs.items()
+                   if i.get("server0", {}).get("state") not in ("done", "failed", "cancelled")]
+        if not running:
+            return
+        job, info = running[0]
+        s0 = info.get("server0", {})
+        line = (f"clients: job {job}: {s0.get('state')} {100 * (s0.get('progress') or 0):.0f}% "
+                f"({self.summary['tasks_answered']} correction uploads so far)")
+        if line != self._last_line:
+            self.say(line)
+            self._last_line = line
 
 
 def write_summary(path: str | Path, summary: dict[str, Any]) -> None:

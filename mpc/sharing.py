@@ -42,20 +42,30 @@ def random_ring(shape) -> np.ndarray:
     return np.frombuffer(bytearray(os.urandom(8 * n)), dtype="<i8").reshape(shape)
 
 
-def share_ring(ring: np.ndarray, compress: bool = False, precision: int = DEFAULT_PRECISION) -> Shares:
-    """Split already-encoded ring elements."""
+def share_ring(ring: np.ndarray, compress: bool = False, precision: int = DEFAULT_PRECISION,
+               seed: bytes | None = None) -> Shares:
+    """Split already-encoded ring elements.
+
+    ``seed`` (compressed shares only): the seed of share 0, for a client that must be able to
+    send the *same* shares again after a crash (a fresh split of a value one server already
+    holds a share of would pair two unrelated shares). It must be secret and used for one
+    value only; the simulator derives it from its private key and the upload's label.
+    """
     ring = np.asarray(ring, dtype=np.int64)
+    if seed is not None and not compress:
+        raise ValueError("a given seed needs compress=True")
     if compress:
-        seed = new_seed()
+        seed = new_seed() if seed is None else seed
         share0 = expand(seed, ring.shape)
         return Shares(ring.shape, ring - share0, seed0=seed, precision=precision)
     share0 = random_ring(ring.shape)
     return Shares(ring.shape, ring - share0, share0=share0, precision=precision)
 
 
-def share(x, compress: bool = False, precision: int = DEFAULT_PRECISION) -> Shares:
-    """Encode real values and split them into two additive shares."""
-    return share_ring(encode(x, precision), compress=compress, precision=precision)
+def share(x, compress: bool = False, precision: int = DEFAULT_PRECISION,
+          seed: bytes | None = None) -> Shares:
+    """Encode real values and split them into two additive shares (``seed``: see share_ring)."""
+    return share_ring(encode(x, precision), compress=compress, precision=precision, seed=seed)
 
 
 def reconstruct_ring(share0: np.ndarray, share1: np.ndarray) -> np.ndarray:

@@ -4,8 +4,11 @@ Why a strict schema: a server must treat every client as untrusted input (docs/d
 Each request is one ``KIND_OBJECT`` frame holding a msgpack map; it is refused with a
 clear error reply, before anything is stored, when it is too large, not msgpack, of
 another protocol version, an unknown operation, has a missing or unknown field, a field
-of the wrong type or range, or a tensor of the wrong dtype or shape. Authorisation
-(who may do what) and replay protection (nonces) are the daemon's job, on top of this.
+of the wrong type or range, or a tensor of the wrong dtype or shape. Types are exact: an
+integer field (``v`` included) takes a msgpack integer only, never a float such as 1.0 or a
+boolean, and a string field must match its pattern in full. Authorisation (who may do what)
+and replay protection (nonces) are the daemon's job, on top of this; the nonce rule that
+needs the server's clock is here, :func:`check_nonce_window`, for the daemon to call.
 
 Envelope of every request: ``{"v": 1, "op": str, "id": 16 random bytes, ...fields}``.
 Replies: ``{"v": 1, "id": <the request's id>, "ok": true, ...}`` or
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,15 +37,23 @@ from mpc.prg import SEED_BYTES
 __all__ = ["VERSION", "ERROR_CODES", "MUTATING_OPS", "REQUESTS", "WireError", "Request",
            "pack", "unpack", "unpack_bounded", "parse_request", "make_request", "ok_reply",
            "error_reply", "tensor", "decode_tensor", "decode_share", "share_field", "check_reply",
-           "client_id_of", "JOB_ID_RE", "TASK_ID_RE"]
+           "client_id_of", "JOB_ID_RE", "TASK_ID_RE", "MAX_NONCE", "NONCE_WINDOW_NS",
+           "check_nonce_window"]
 
 VERSION = 1
 ERROR_CODES = ("bad_request", "too_large", "version", "unknown_op", "unauthorized", "replay",
-               "conflict", "closed", "not_found", "unavailable", "internal")
+               "conflict", "closed", "not_found", "unavailable", "internal", "forgotten", "paused")
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")      # the history store's job-id rule
-TASK_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}/[0-9]{1,9}$")
+#: ``<job>/<attempt>/<k>``: the k-th correction task of one run (attempt) of a job
+TASK_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}/[0-9]{1,9}/[0-9]{1,9}$")
 CLIENT_NAME_RE = re.compile(r"^client-(0|[1-9][0-9]{0,17})$")
-MAX_NONCE = 2**63 - 1
+MAX_NONCE = 2**63 - 1              # the largest value SQLite stores as INTEGER
+#: How far ahead of the server's clock a nonce may be. Clients send
+#: ``max(last sent + 1, time.time_ns())``; the server keeps the largest nonce it accepted per
+#: identity and wants a larger one next time, so without a bound one nonce near MAX_NONCE
+#: (a bug, a bad clock) would lock that identity out for good. With it, the stored nonce is
+#: never more than this window ahead of real time, and such a lockout ends within it.
+NONCE_WINDOW_NS = 3600 * 10**9
 MAX_TARGETS = 1024
 
 
@@ -77,8 +89,10 @@ def _bool(name: str, v: Any) -> bool:
 
 
 def _string(pattern: re.Pattern[str]) -> Validator:
+    # fullmatch, not match: the patterns end in ``$``, which also matches before a final
+    # newline, and "job\n" must not pass as a job id (it becomes a file name on the server)
     def check(name: str, v: Any) -> str:
-        if not isinstance(v, str) or not pattern.match(v):
+        if not isinstance(v, str) or not pattern.fullmatch(v):
             raise WireError("bad_request", f"field {name!r} must match {pattern.pattern}")
         return v
     return check
@@ -150,11 +164,15 @@ REQUESTS: Mapping[str, _Schema] = {
                             "nonce": _NONCE}, {}),
     # a job's record (and optionally its result model)
     "job_status": _Schema({"job": _string(JOB_ID_RE)}, {"with_model": _bool}),
-    # server status: rounds, staging, jobs visible to the caller
+    # server status: rounds, staging, jobs visible to the caller, forgotten clients (admin)
     "status": _Schema({}, {}),
+    # admin: cancel a job that has not been adopted yet (queued, running or computed)
+    "cancel_job": _Schema({"job": _string(JOB_ID_RE), "nonce": _NONCE}, {}),
+    # admin: let a forgotten client take part again (its erased data stays erased)
+    "reenrol": _Schema({"client": _int(0, 10**18), "nonce": _NONCE}, {}),
 }
 #: Operations that change state; they carry a per-identity strictly increasing nonce.
-MUTATING_OPS = frozenset({"upload", "unlearn", "task_result"})
+MUTATING_OPS = frozenset({"upload", "unlearn", "task_result", "cancel_job", "reenrol"})
 
 
 @dataclass(frozen=True)
@@ -208,9 +226,14 @@ def parse_request(buf: bytes | bytearray | memoryview, max_bytes: int) -> Reques
     raw_id = msg.get("id")
     msg_id = raw_id if isinstance(raw_id, bytes) and len(raw_id) == 16 else None
     try:
-        if msg.get("v") != VERSION or isinstance(msg.get("v"), bool):
+        if not _is_version(msg.get("v")):
             raise WireError("version", f"protocol version {msg.get('v')!r} is not supported; "
-                                       f"this server speaks v{VERSION}")
+                                       f"this server speaks v{VERSION} (the integer)")
+        # msgpack map keys may also be bytes; a field name is a string, and checking here
+        # keeps the set arithmetic below on one key type
+        odd = [k for k in msg if not isinstance(k, str)]
+        if odd:
+            raise WireError("bad_request", f"field names must be strings, got {odd[:3]!r}")
         if msg_id is None:
             raise WireError("bad_request", "field 'id' must be 16 bytes")
         op = msg.get("op")
@@ -234,6 +257,28 @@ def parse_request(buf: bytes | bytearray | memoryview, max_bytes: int) -> Reques
         raise
 
 
+def _is_version(v: Any) -> bool:
+    # ``type(v) is int``: 1.0 == 1 and True == 1 in Python, but neither is protocol v1
+    return type(v) is int and v == VERSION
+
+
+def check_nonce_window(nonce: int, now_ns: int | None = None,
+                       window_ns: int = NONCE_WINDOW_NS) -> None:
+    """Refuse a nonce more than ``window_ns`` ahead of ``now_ns`` (default: this host's clock).
+
+    The daemon calls this for every state-changing request before comparing the nonce with
+    the identity's last accepted one, so that a nonce it stores is never far in the future
+    (see :data:`NONCE_WINDOW_NS`). Clients' clocks must therefore not run more than the
+    window ahead of the servers'.
+    """
+    now = time.time_ns() if now_ns is None else now_ns
+    if nonce > now + window_ns:
+        raise WireError("bad_request",
+                        f"nonce {nonce} is {(nonce - now) / 1e9:.0f} s ahead of this server's clock; "
+                        f"at most {window_ns / 1e9:.0f} s are accepted (nonces are "
+                        "max(last + 1, time in ns): is the client's clock wrong?)")
+
+
 def make_request(op: str, **fields: Any) -> tuple[bytes, bytes]:
     """(message id, packed request) for a client."""
     msg_id = os.urandom(16)
@@ -252,11 +297,12 @@ def error_reply(msg_id: bytes | None, code: str, message: str) -> bytes:
 def check_reply(buf: bytes | bytearray | memoryview, msg_id: bytes, max_bytes: int) -> dict:
     """A client's view of a reply: the map if ok, else a WireError with the server's reason."""
     msg = unpack(buf, max_bytes)
-    if msg.get("v") != VERSION or msg.get("id") not in (msg_id, None):
+    if not _is_version(msg.get("v")) or msg.get("id") not in (msg_id, None):
         raise WireError("bad_request", "reply does not answer this request")
     if msg.get("ok") is True:
         return msg
-    err = msg.get("error") or {}
+    err = msg.get("error")
+    err = err if isinstance(err, dict) else {}    # a malformed refusal is still a refusal
     code = err.get("code") if err.get("code") in ERROR_CODES else "internal"
     raise WireError(code, str(err.get("message", "(no message)")), msg_id)
 
@@ -316,5 +362,5 @@ def share_field(value: np.ndarray | bytes) -> dict:
 
 def client_id_of(identity: str) -> int | None:
     """``client-<id>`` -> id; anything else (admin, servers) -> None."""
-    m = CLIENT_NAME_RE.match(identity)
+    m = CLIENT_NAME_RE.fullmatch(identity)
     return int(m.group(1)) if m else None

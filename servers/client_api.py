@@ -9,9 +9,15 @@ refused, also after a restart. The operations:
 
 * public state and models: ``state``, ``get_model``, ``round_info``, ``status``;
 * ``upload``: a client's shares for the open FL round (``servers.round_coordinator``);
-* ``unlearn``, ``job_status``: unlearning requests and their jobs (``servers.job_scheduler``);
+  refused with ``paused`` while an unlearning job is pending (FL waits for it);
+* ``unlearn``, ``job_status``: unlearning requests and their jobs (``servers.job_scheduler``),
+  with the erasure receipt once a job is adopted;
+* admin only: ``cancel_job`` (a job not yet adopted), ``reenrol`` (a forgotten client);
 * ``poll_tasks``, ``get_task``, ``task_result``: Stage II correction tasks
   (``servers.correction_tasks``).
+
+A forgotten client (its data erased by an adopted job) gets ``forgotten`` for everything but
+public state and its own jobs' status, until the operator re-enrols it (recorded).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from .job_scheduler import JobScheduler
 from .round_coordinator import RoundCoordinator
 from .service_state import ServiceState
 from .job_records import JobRecord, JobState
-from .share_store import JobError, ShareStore, StagingConflictError, StagingError
+from .share_store import (ForgottenClientError, JobError, ShareStore, StagingConflictError,
+                          StagingError)
 from .unlearning_jobs import read_result
 
 __all__ = ["ClientAPI"]
@@ -40,9 +47,14 @@ __all__ = ["ClientAPI"]
 log = logging.getLogger("starfish.server")
 
 #: What the operator (``admin``) may do; FL clients may do everything else.
-ADMIN_OPS = frozenset({"state", "get_model", "round_info", "unlearn", "job_status", "status"})
+ADMIN_OPS = frozenset({"state", "get_model", "round_info", "unlearn", "job_status", "status",
+                       "cancel_job", "reenrol"})
+#: Admin-only operations.
+ONLY_ADMIN_OPS = frozenset({"cancel_job", "reenrol"})
+#: What a forgotten client may still do: read public state and its own jobs (the receipt).
+FORGOTTEN_OPS = frozenset({"state", "get_model", "round_info", "job_status", "status"})
 #: The result fields ``job_status`` shows of a finished job.
-RESULT_FIELDS = ("selected_rounds", "flags", "correction_steps", "warmup_steps", "wall_seconds",
+RESULT_FIELDS = ("rounds", "attempt", "selected_rounds", "flags", "correction_steps", "warmup_steps", "wall_seconds",
                  "model_sha256", "client_exact_updates", "meters")
 
 
@@ -74,6 +86,7 @@ class ClientAPI:
             "unlearn": self._op_unlearn, "job_status": self._op_job_status,
             "status": self._op_status, "poll_tasks": self._op_poll_tasks,
             "get_task": self._op_get_task, "task_result": self._op_task_result,
+            "cancel_job": self._op_cancel_job, "reenrol": self._op_reenrol,
         }
 
     # ------------------------------------------------------------------ connections
@@ -138,6 +151,7 @@ class ClientAPI:
             self._authorize(who, req)
             fn = self._ops[req.op]
             if req.op in wire.MUTATING_OPS:
+                wire.check_nonce_window(req.fields["nonce"])  # at most NONCE_WINDOW_NS ahead of our clock
                 with self._identity_lock(who):
                     last = self.state.last_nonce(who)
                     if req.fields["nonce"] <= last:
@@ -150,6 +164,8 @@ class ClientAPI:
             return wire.ok_reply(msg_id, **out)
         except wire.WireError as exc:
             return wire.error_reply(exc.msg_id or msg_id, exc.code, exc.message)
+        except ForgottenClientError as exc:
+            return wire.error_reply(msg_id, "forgotten", str(exc))
         except StagingConflictError as exc:
             return wire.error_reply(msg_id, "conflict", str(exc))
         except StagingError as exc:
@@ -168,16 +184,26 @@ class ClientAPI:
                 raise wire.WireError("unauthorized", f"{req.op} is for FL clients; admin may use "
                                                      f"{sorted(ADMIN_OPS)}")
             return
-        if wire.client_id_of(who) is None:  # the TLS layer lets no one else in; belt and braces
+        cid = wire.client_id_of(who)
+        if cid is None:  # the TLS layer lets no one else in; belt and braces
             raise wire.WireError("unauthorized", f"{who} is not a client of this deployment")
+        if req.op in ONLY_ADMIN_OPS:
+            raise wire.WireError("unauthorized", f"{req.op} is for the operator (admin)")
+        if req.op not in FORGOTTEN_OPS and self.store.is_forgotten(cid):
+            raise wire.WireError("forgotten", f"client {cid} was forgotten (its data erased by an "
+                                              "unlearning job); the operator must re-enrol it first")
 
     # ------------------------------------------------------------------ public state
     def _op_state(self, who: str, f: dict) -> dict:
         T = self.store.num_rounds
+        cid = wire.client_id_of(who)
+        open_round = self.rounds.open_round()
         return {"party": self.party, "T": T, "rounds": self.cfg.fl.rounds,
-                "open_round": self.rounds.open_round(), "training": T < self.cfg.fl.rounds,
+                "fl_rounds": self.store.fl_rounds, "open_round": open_round,
+                "training": open_round is not None, "paused": self.jobs.pending(),
                 "dim": self.store.dim, "precision": self.store.precision,
-                "server_lr": self.store.server_lr, "busy_job": self.jobs.running}
+                "server_lr": self.store.server_lr, "busy_job": self.jobs.running,
+                "forgotten": cid is not None and self.store.is_forgotten(cid)}
 
     def _op_get_model(self, who: str, f: dict) -> dict:
         T = self.store.num_rounds
@@ -192,24 +218,36 @@ class ClientAPI:
             raise wire.WireError("not_found", f"round {i} is not committed (T = {T})")
         parts = list(self.store.participants(i))
         w = self.store.weights(i)
-        sizes = self.store.metadata(i).get("num_samples", {})
-        return {"round": i, "participants": parts, "weights": [w[j] for j in parts],
-                "num_samples": [int(sizes.get(str(j), 0)) for j in parts]}
+        meta = self.store.metadata(i)
+        sizes = meta.get("num_samples", {})
+        return {"round": i, "kind": self.store.round_kind(i), "job": meta.get("job"),
+                "participants": parts, "weights": [w[j] for j in parts],
+                "num_samples": [int(sizes.get(str(j), 0)) for j in parts],
+                "erased": list(meta.get("erased", []))}
 
     def _op_status(self, who: str, f: dict) -> dict:
         T = self.store.num_rounds
         jobs = [self._job_dict(j) for j in self.store.jobs() if self._may_see(who, j)][-100:]
-        return {"party": self.party, "T": T, "rounds": self.cfg.fl.rounds,
-                "open_round": self.rounds.open_round(), "staged": list(self.store.staged(T + 1)),
-                "busy_job": self.jobs.running, "jobs": jobs}
+        out = {"party": self.party, "T": T, "rounds": self.cfg.fl.rounds,
+               "fl_rounds": self.store.fl_rounds, "open_round": self.rounds.open_round(),
+               "staged": list(self.store.staged(T + 1)), "busy_job": self.jobs.running,
+               "paused": self.jobs.pending(), "jobs": jobs}
+        if who == tls.ADMIN_NAME:
+            out["forgotten"] = [{"client": c, **{k: v for k, v in rec.items() if v is not None}}
+                                for c, rec in sorted(self.store.forgotten().items())]
+        return out
 
     # ------------------------------------------------------------------ uploads
     def _op_upload(self, who: str, f: dict) -> dict:
         cid = wire.client_id_of(who)
         assert cid is not None
         r, T = f["round"], self.store.num_rounds
-        if T >= self.cfg.fl.rounds:
-            raise wire.WireError("closed", f"training finished after {T} rounds; no round is open")
+        if self.rounds.open_round() is None:
+            raise wire.WireError("closed", f"training finished ({self.store.fl_rounds} FL rounds); "
+                                           "no round is open")
+        if self.jobs.pending():
+            raise wire.WireError("paused", "an unlearning job is pending; FL resumes from the "
+                                           "model it adopts (retry then, on the new model)")
         if r != T + 1:
             raise wire.WireError("closed", f"round {r} is not open; the open round is {T + 1}")
         dim = self.store.dim
@@ -249,6 +287,9 @@ class ClientAPI:
             targets = [cid]
         elif targets is None:
             raise wire.WireError("bad_request", "admin must name the targets")
+        gone = sorted(t for t in targets if self.store.is_forgotten(t))
+        if gone:
+            raise wire.WireError("forgotten", f"clients {gone} are already forgotten")
         unknown = sorted(set(targets) - self._fl_clients())
         if unknown:
             raise wire.WireError("not_found", f"clients {unknown} took part in no committed round")
@@ -260,7 +301,7 @@ class ClientAPI:
     def _job_dict(rec: JobRecord) -> dict:
         return {"job": rec.id, "requester": rec.requester, "targets": list(rec.targets),
                 "state": rec.state, "progress": rec.progress, "error": rec.error,
-                "created_at": rec.created_at, "updated_at": rec.updated_at}
+                "attempts": rec.attempts, "created_at": rec.created_at, "updated_at": rec.updated_at}
 
     @staticmethod
     def _may_see(who: str, rec: JobRecord) -> bool:
@@ -268,19 +309,44 @@ class ClientAPI:
         return who == tls.ADMIN_NAME or rec.requester == who or (cid is not None and cid in rec.targets)
 
     def _op_job_status(self, who: str, f: dict) -> dict:
-        try:
-            rec = self.store.job(f["job"])
-        except KeyError:
-            raise wire.WireError("not_found", f"no unlearning job {f['job']!r}") from None
-        if not self._may_see(who, rec):
-            raise wire.WireError("unauthorized", f"{who} may not read job {rec.id}")
+        rec = self._visible_job(who, f["job"])
         out = self._job_dict(rec)
-        if rec.state == JobState.DONE and rec.result_path:
+        erasure = self.store.erasure(rec.id)
+        if erasure is not None:
+            out["erasure"] = erasure.to_json()       # this server's own confirmation
+        if rec.receipt is not None:
+            out["receipt"] = dict(rec.receipt)        # both servers' confirmations
+        if rec.state in (JobState.COMPUTED, JobState.DONE) and rec.result_path:
             summary, model = read_result(rec.result_path)
             out["result"] = {k: summary[k] for k in RESULT_FIELDS if k in summary}
             if f.get("with_model"):
                 out["model"] = wire.tensor(model)
         return out
+
+    def _visible_job(self, who: str, job: str) -> JobRecord:
+        """The job, if ``who`` may see it; one answer for "absent" and "not yours", so a
+        client cannot learn which job ids exist."""
+        try:
+            rec = self.store.job(job)
+        except KeyError:
+            rec = None
+        if rec is None or not self._may_see(who, rec):
+            raise wire.WireError("not_found", f"no unlearning job {job!r} visible to {who}")
+        return rec
+
+    def _op_cancel_job(self, who: str, f: dict) -> dict:
+        rec = self._visible_job(who, f["job"])
+        rec = self.jobs.cancel(rec.id, who)
+        self.rounds.wake()
+        return {"job": rec.id, "state": rec.state,
+                "note": "the run stops at its next round" if rec.state == JobState.RUNNING else ""}
+
+    def _op_reenrol(self, who: str, f: dict) -> dict:
+        try:
+            self.store.reenrol(f["client"], who)
+        except KeyError:
+            raise wire.WireError("not_found", f"client {f['client']} is not forgotten") from None
+        return {"client": f["client"], "reenrolled": True}
 
     # ------------------------------------------------------------------ correction tasks
     def _op_poll_tasks(self, who: str, f: dict) -> dict:

@@ -6,27 +6,33 @@ public. ``run_stage2`` asks for them through ``clients.exact_updates(round, mode
 on both servers in lockstep. :class:`ServiceCorrectionClients` implements that call for a
 server daemon:
 
-1. post a task ``<job>/<k>`` (k counts the calls of this job, identical on both servers)
+1. post a task ``<job>/<attempt>/<k>`` (k counts the calls of this run of the job, identical
+   on both servers; the attempt numbers the runs, so a re-run after a crash posts new tasks
+   and a client's answer to an abandoned run can never be taken for this one's)
    with the round, the model and the client ids on this server's :class:`TaskBoard`;
    clients find it with ``poll_tasks``, fetch the model with ``get_task``, compute the
    exact update with round t's batch order, split it into two additive shares and upload
    one to each server (``task_result``);
-2. wait until every addressed client uploaded here, or the timeout;
+2. wait until every addressed client uploaded here, or the timeout; every half second check
+   that the 2PC session's peers (the other server, the dealer) are still connected, so a dead
+   peer ends the wait in about a second rather than at the timeout;
 3. agree with the other server on the clients that reached *both*: each sends the task id
    and its set over the 2PC session's link (one small exchange, metered);
 4. return this party's shares as CrypTen tensors.
 
 ``run_stage2`` needs an update from every client it asked, so a client that did not reach
 both servers in time fails the job with :class:`CorrectionTimeout` (naming the clients)
-rather than silently changing the algorithm. Tasks live in memory: a job interrupted by a
-crash is re-run from the start, which re-posts them.
+rather than silently changing the algorithm. Tasks live in memory, scoped by the run: a job
+interrupted by a crash is re-run from the start (a new attempt), which posts new tasks; a
+task of a dead run is only a public model and some shares of exact updates that no run will
+read, and it is dropped with the run (``TaskBoard.close_job``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +44,8 @@ from mpc.prg import expand
 
 from .ring_aggregation import model_digest
 
-__all__ = ["Task", "TaskBoard", "ServiceCorrectionClients", "CorrectionTimeout", "LockstepError"]
+__all__ = ["Task", "TaskBoard", "ServiceCorrectionClients", "CorrectionTimeout", "LockstepError",
+           "PeerGone"]
 
 
 class CorrectionTimeout(RuntimeError):
@@ -47,6 +54,10 @@ class CorrectionTimeout(RuntimeError):
 
 class LockstepError(RuntimeError):
     """The two servers disagree on which task they are at (they left lockstep)."""
+
+
+class PeerGone(ConnectionError):
+    """The other server or the dealer closed its connection while we waited for clients."""
 
 
 @dataclass
@@ -108,8 +119,12 @@ class TaskBoard:
             self._cond.notify_all()
             return True
 
-    def wait(self, task_id: str, timeout: float, stop: threading.Event | None = None) -> set[int]:
-        """Block until every addressed client answered or ``timeout``; return who answered."""
+    def wait(self, task_id: str, timeout: float, stop: threading.Event | None = None,
+             alive: Callable[[], bool] | None = None) -> set[int]:
+        """Block until every addressed client answered or ``timeout``; return who answered.
+
+        ``alive`` is polled every half second; once it returns False, :class:`PeerGone`.
+        """
         deadline = time.monotonic() + timeout
         with self._cond:
             t = self._tasks[task_id]
@@ -117,6 +132,8 @@ class TaskBoard:
                 left = deadline - time.monotonic()
                 if left <= 0 or (stop is not None and stop.is_set()):
                     break
+                if alive is not None and not alive():
+                    raise PeerGone(f"task {task_id}: a peer of the 2PC session disconnected")
                 self._cond.wait(min(left, 0.5))
             return set(t.results)
 
@@ -148,11 +165,12 @@ class ServiceCorrectionClients:
     """``run_stage2``'s ``clients`` on a server daemon (see the module docstring)."""
 
     def __init__(self, board: TaskBoard, party: Any, job: str, *, timeout: float, dim: int,
-                 precision: int, stop: threading.Event | None = None,
+                 precision: int, attempt: int = 1, stop: threading.Event | None = None,
                  max_bytes: int = 1 << 20) -> None:
         self.board = board
         self.party = party
         self.job = job
+        self.attempt = attempt
         self.timeout = timeout
         self.dim = dim
         self.precision = precision
@@ -172,12 +190,13 @@ class ServiceCorrectionClients:
 
     def exact_updates(self, round_index: int, model: Any, client_ids: list[int]) -> dict[int, Any]:
         self.calls += 1
-        task_id = f"{self.job}/{self.calls}"
+        task_id = f"{self.job}/{self.attempt}/{self.calls}"
         model_np = model.detach().cpu().numpy() if hasattr(model, "detach") else np.asarray(model)
         ids = sorted(int(c) for c in client_ids)
         self.board.post(task_id, self.job, round_index, model_np, ids)
         try:
-            mine = self.board.wait(task_id, self.timeout, self.stop)
+            alive = getattr(self.party, "peer_alive", None)
+            mine = self.board.wait(task_id, self.timeout, self.stop, alive)
             both = self._agree(task_id, mine)
             missing = sorted(set(ids) - both)
             if missing:

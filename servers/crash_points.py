@@ -2,7 +2,10 @@
 
 The process SIGKILLs itself the n-th time (default the first) it passes the named
 checkpoint. The daemon's own checkpoints are ``upload-staged`` (``servers.client_api``),
-``leader-before-commit`` and ``follower-before-commit`` (``servers.round_coordinator``);
+``leader-before-commit`` and ``follower-before-commit`` (``servers.round_coordinator``),
+``job-step-<step>`` on entering each metered Stage II step of a job (``TD``, ``RS``, ``UE``,
+``TC``, ``correction``, ``pairs``, ``aggregate``; ``servers.unlearning_jobs``) and
+``leader-after-peer-adopted`` (``servers.job_scheduler``);
 :func:`install_crash_points` also hooks the history store's (``servers.share_store`` and
 ``servers.blobs``: ``round-*``, ``staged-*``, ``blob-*``), so a crash test can name any point
 of the write path.

@@ -9,6 +9,8 @@ op               request             reply
 ``close_round``  :class:`CloseRound` :class:`RoundShare` (server 1's share sum, digest)
 ``job_start``    :class:`JobStart`   no fields
 ``job_fail``     :class:`JobFail`    no fields
+``job_adopt``    :class:`AdoptJob`   :class:`Confirmation` (server 1's erasure report)
+``job_receipt``  :class:`JobReceipt` no fields
 ===============  ==================  ===============================================
 
 Each message is a frozen dataclass; ``to_wire()`` gives the fields of its msgpack map and
@@ -37,10 +39,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from .job_records import JobRecord
 
 __all__ = ["GetState", "PeerState", "LastRound", "JobRow", "CloseRound", "RoundShare", "JobStart",
-           "JobFail", "PeerRequest", "parse_request", "params_key", "MAX_JOB_ROWS"]
+           "JobFail", "AdoptJob", "Confirmation", "JobReceipt", "PeerRequest", "parse_request",
+           "params_key", "MAX_JOB_ROWS", "MAX_RECEIPT_BYTES"]
 
 #: Server 1 reports at most this many of its most recent jobs.
 MAX_JOB_ROWS = 1000
+#: An erasure report or receipt is public bookkeeping of a few hundred bytes per round.
+MAX_RECEIPT_BYTES = 1 << 20
 
 
 # ------------------------------------------------------------------ field checks
@@ -95,11 +100,31 @@ def _tensor(v: Any, what: str, dim: int) -> np.ndarray:
         raise ValueError(exc.message) from None
 
 
+def _bool(v: Any, what: str) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"{what} must be a boolean")
+    return v
+
+
 def _job_state(v: Any) -> JobState:
     try:
         return JobState(_str(v, "job.state"))
     except ValueError:
         raise ValueError(f"job.state must be one of {[s.value for s in JobState]}, got {v!r}") from None
+
+
+def _json_map(v: Any, what: str) -> dict[str, Any]:
+    """A JSON object sent as a string (bounded); receipts travel this way."""
+    text = _str(v, what)
+    if len(text) > MAX_RECEIPT_BYTES:
+        raise ValueError(f"{what} is larger than {MAX_RECEIPT_BYTES} bytes")
+    try:
+        out = json.loads(text)
+    except ValueError:
+        raise ValueError(f"{what} is not JSON") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{what} must be a JSON object")
+    return out
 
 
 def params_key(params: Mapping[str, Any]) -> str:
@@ -120,11 +145,13 @@ class GetState:
 
 @dataclass(frozen=True)
 class LastRound:
-    """Server 1's last committed round: its participants and their |D_j|, in that order."""
+    """Server 1's last committed round: its participants and their |D_j|, in that order;
+    for an unlearning round (no participants) the job whose model it adopted."""
 
     round: int
     participants: tuple[int, ...]
     sizes: tuple[int, ...]
+    job: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.participants):
@@ -134,13 +161,14 @@ class LastRound:
         return dict(zip(self.participants, self.sizes))
 
     def to_wire(self) -> dict[str, Any]:
-        return {"round": self.round, "participants": list(self.participants), "sizes": list(self.sizes)}
+        return {"round": self.round, "participants": list(self.participants), "sizes": list(self.sizes),
+                "job": self.job}
 
     @classmethod
     def from_wire(cls, msg: Any) -> LastRound:
         g = _fields(msg, "last round")
         return cls(_int(g("round"), "last.round", 1), _int_list(g("participants"), "last.participants"),
-                   _int_list(g("sizes"), "last.sizes"))
+                   _int_list(g("sizes"), "last.sizes"), _opt_str(g("job"), "last.job"))
 
 
 @dataclass(frozen=True)
@@ -154,11 +182,14 @@ class JobRow:
     params: str              # params_key() of the job's public parameters
     created_at: float
     error: str | None
+    attempts: int = 0
+    result_digest: str | None = None   # sha256 of the computed model (state computed or done)
+    has_receipt: bool = False          # the full erasure receipt is recorded (state done)
 
     @classmethod
     def of(cls, rec: JobRecord) -> JobRow:
         return cls(rec.id, rec.requester, tuple(rec.targets), JobState(rec.state), params_key(rec.params),
-                   rec.created_at, rec.error)
+                   rec.created_at, rec.error, rec.attempts, rec.result_digest, rec.receipt is not None)
 
     def same_request(self, rec: JobRecord) -> bool:
         """Whether ``rec`` is the same request (requester, targets, parameters)."""
@@ -168,7 +199,8 @@ class JobRow:
     def to_wire(self) -> dict[str, Any]:
         return {"id": self.id, "requester": self.requester, "targets": list(self.targets),
                 "state": self.state.value, "params": self.params, "created_at": self.created_at,
-                "error": self.error}
+                "error": self.error, "attempts": self.attempts, "result_digest": self.result_digest,
+                "has_receipt": self.has_receipt}
 
     @classmethod
     def from_wire(cls, msg: Any) -> JobRow:
@@ -176,7 +208,9 @@ class JobRow:
         return cls(_str(g("id"), "job.id"), _str(g("requester"), "job.requester"),
                    _int_list(g("targets"), "job.targets"), _job_state(g("state")),
                    _str(g("params"), "job.params"), _float(g("created_at"), "job.created_at"),
-                   _opt_str(g("error"), "job.error"))
+                   _opt_str(g("error"), "job.error"), _int(g("attempts"), "job.attempts"),
+                   _opt_str(g("result_digest"), "job.result_digest"),
+                   _bool(g("has_receipt"), "job.has_receipt"))
 
 
 @dataclass(frozen=True)
@@ -261,39 +295,100 @@ class RoundShare:
 # ------------------------------------------------------------------ jobs
 @dataclass(frozen=True)
 class JobStart:
-    """Server 0 starts job ``job`` on the first ``rounds`` rounds; server 1 starts it too."""
+    """Server 0 starts run ``attempt`` of job ``job`` on the first ``rounds`` rounds; server 1
+    starts it too. The attempt names the run's 2PC session and correction tasks, so nothing
+    of an earlier, interrupted run can be mistaken for this one's."""
 
     OP: ClassVar[str] = "job_start"
     job: str
     rounds: int
+    attempt: int = 1
 
     def to_wire(self) -> dict[str, Any]:
-        return {"job": self.job, "rounds": self.rounds}
+        return {"job": self.job, "rounds": self.rounds, "attempt": self.attempt}
 
     @classmethod
     def from_wire(cls, msg: Any) -> JobStart:
         g = _fields(msg, "job_start")
-        return cls(_str(g("job"), "job"), _int(g("rounds"), "rounds"))
+        return cls(_str(g("job"), "job"), _int(g("rounds"), "rounds"), _int(g("attempt"), "attempt", 1))
 
 
 @dataclass(frozen=True)
 class JobFail:
-    """Server 0 tells server 1 to fail a queued job (with the reason)."""
+    """Server 0 tells server 1 to end a job that has not been adopted: ``state`` failed or
+    cancelled (with the reason)."""
 
     OP: ClassVar[str] = "job_fail"
     job: str
     error: str
+    state: JobState = JobState.FAILED
+
+    def __post_init__(self) -> None:
+        if self.state not in (JobState.FAILED, JobState.CANCELLED):
+            raise ValueError("job_fail: state must be failed or cancelled")
 
     def to_wire(self) -> dict[str, Any]:
-        return {"job": self.job, "error": self.error}
+        return {"job": self.job, "error": self.error, "state": self.state.value}
 
     @classmethod
     def from_wire(cls, msg: Any) -> JobFail:
         g = _fields(msg, "job_fail")
-        return cls(_str(g("job"), "job"), _str(g("error"), "error"))
+        return cls(_str(g("job"), "job"), _str(g("error"), "error"), _job_state(g("state")))
 
 
-PeerRequest = GetState | CloseRound | JobStart | JobFail
+@dataclass(frozen=True)
+class AdoptJob:
+    """Server 0 asks server 1 to adopt job ``job``'s model as round ``round`` and to erase the
+    job's targets; server 1 checks that its own result has digest ``model_sha256``."""
+
+    OP: ClassVar[str] = "job_adopt"
+    job: str
+    round: int
+    model_sha256: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"job": self.job, "round": self.round, "model_sha256": self.model_sha256}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> AdoptJob:
+        g = _fields(msg, "job_adopt")
+        return cls(_str(g("job"), "job"), _int(g("round"), "round", 1),
+                   _str(g("model_sha256"), "model_sha256"))
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """A server's erasure report for one adopted job (``ErasureReport.to_json()``)."""
+
+    report: Mapping[str, Any]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"report": json.dumps(dict(self.report), sort_keys=True)}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> Confirmation:
+        g = _fields(msg, "job_adopt reply")
+        return cls(_json_map(g("report"), "report"))
+
+
+@dataclass(frozen=True)
+class JobReceipt:
+    """Server 0 gives server 1 the full erasure receipt (both confirmations) of a job."""
+
+    OP: ClassVar[str] = "job_receipt"
+    job: str
+    receipt: Mapping[str, Any]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"job": self.job, "receipt": json.dumps(dict(self.receipt), sort_keys=True)}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> JobReceipt:
+        g = _fields(msg, "job_receipt")
+        return cls(_str(g("job"), "job"), _json_map(g("receipt"), "receipt"))
+
+
+PeerRequest = GetState | CloseRound | JobStart | JobFail | AdoptJob | JobReceipt
 
 
 def parse_request(op: str, msg: Mapping[str, Any], dim: int) -> PeerRequest:
@@ -306,4 +401,8 @@ def parse_request(op: str, msg: Mapping[str, Any], dim: int) -> PeerRequest:
         return JobStart.from_wire(msg)
     if op == JobFail.OP:
         return JobFail.from_wire(msg)
+    if op == AdoptJob.OP:
+        return AdoptJob.from_wire(msg)
+    if op == JobReceipt.OP:
+        return JobReceipt.from_wire(msg)
     raise ValueError(f"unknown control op {op!r}")

@@ -1,10 +1,17 @@
 """FL rounds on shares: the open round, closing it with the other server, committing it.
 
 Server 0 leads (:meth:`RoundCoordinator.lead_forever`): each step it asks server 1 for its
-view (:class:`~servers.peer_messages.PeerState`), finishes or replays a round on which the
-two histories differ, and closes the open round once ``clients_expected`` clients reached
-*both* servers with the same |D_j| (after ``round_deadline``, ``min_clients`` suffice); a
-step with no round to close is handed to the job scheduler. Closing a round: both servers
+view (:class:`~servers.peer_messages.PeerState`), then, first that applies:
+
+1. finishes or replays a round on which the two histories differ (an FL round, or the
+   adoption of an unlearning job that server 1 committed first);
+2. gives the step to the job scheduler (a receipt to send, a job to adopt or to run);
+3. while a job is queued, running or waiting for adoption, does nothing more: FL waits;
+4. closes the open round once ``clients_expected`` clients reached *both* servers with the
+   same |D_j| (after ``round_deadline``, ``min_clients`` suffice).
+
+``fl.rounds`` counts FL rounds; an unlearning round (the adopted model, no participants) is
+a round of the history but not of training, so FL goes on for as many rounds after it. Closing a round: both servers
 compute their weighted share sums (``servers.ring_aggregation``, exact on the ring) over the
 agreed participants, exchange them, publish the same M_i (checked by digest) and commit it.
 Server 1 (:meth:`RoundCoordinator.follow_close`) checks the participants against its own
@@ -17,7 +24,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -36,6 +44,16 @@ __all__ = ["RoundCoordinator"]
 log = logging.getLogger("starfish.server")
 
 
+class Jobs(Protocol):
+    """What the leader needs of the job scheduler (``servers.job_scheduler.JobScheduler``)."""
+
+    def lead(self, view: PeerState) -> bool: ...
+
+    def finish_adoption(self, view: PeerState) -> None: ...
+
+    def pending(self) -> bool: ...
+
+
 class RoundCoordinator:
     """The FL rounds of one server: leader (``peer`` given, server 0) or follower (server 1)."""
 
@@ -50,14 +68,18 @@ class RoundCoordinator:
         self._round_opened = time.monotonic()
 
     def open_round(self) -> int | None:
-        """The round uploads go to, or None once training is over."""
-        T = self.store.num_rounds
-        return T + 1 if T < self.cfg.fl.rounds else None
+        """The round uploads go to, or None once ``fl.rounds`` FL rounds are committed."""
+        return self.store.num_rounds + 1 if self.store.fl_rounds < self.cfg.fl.rounds else None
 
     def wake(self) -> None:
         """Wake the leader now (an upload or a request arrived, or the daemon stops)."""
         with self._wake:
             self._wake.notify_all()
+
+    def expected_clients(self) -> int:
+        """``clients_expected`` less the forgotten clients (who may not upload any more)."""
+        gone = sum(1 for r in self.store.forgotten().values() if r.get("reenrolled_at") is None)
+        return max(1, self.cfg.fl.clients_expected - gone)
 
     # ------------------------------------------------------------------ both roles
     def committed_sizes(self, r: int) -> dict[int, int]:
@@ -96,7 +118,8 @@ class RoundCoordinator:
         if T >= 1:
             s = self.committed_sizes(T)
             parts = tuple(self.store.participants(T))
-            last = LastRound(T, parts, tuple(s[j] for j in parts))
+            job = self.store.metadata(T).get("job") if self.store.round_kind(T) == "unlearning" else None
+            last = LastRound(T, parts, tuple(s[j] for j in parts), job)
         return PeerState(T, staged, last, tuple(jobs), busy)
 
     def follow_close(self, msg: CloseRound) -> RoundShare:
@@ -126,13 +149,12 @@ class RoundCoordinator:
         return RoundShare(a1, model_digest(model))
 
     # ------------------------------------------------------------------ server 0: the leader
-    def lead_forever(self, then: Callable[[PeerState], bool]) -> None:
-        """Lead until stopped; ``then(view)`` is the step's job work when no round closed
-        (it returns whether it did something)."""
+    def lead_forever(self, jobs: Jobs) -> None:
+        """Lead until stopped (the module docstring says what one step does)."""
         backoff = 0.05
         while not self.stop_event.is_set():
             try:
-                busy = self._lead_step(then)
+                busy = self._lead_step(jobs)
                 backoff = 0.05
                 if not busy:
                     with self._wake:
@@ -145,24 +167,40 @@ class RoundCoordinator:
                 log.exception("leader step failed")
                 self.stop_event.wait(1.0)
 
-    def _lead_step(self, then: Callable[[PeerState], bool]) -> bool:
-        """One decision: finish/replay a round, close the open one, or ``then`` (a job)."""
+    def _lead_step(self, jobs: Jobs) -> bool:
+        """One decision (module docstring); returns whether it did something."""
         assert self.peer is not None
         view = PeerState.from_wire(self.peer.call(GetState()))
-        return self._lead_round(view) or then(view)
+        if self._catch_up(view, jobs) or jobs.lead(view):
+            self._round_opened = time.monotonic()
+            return True
+        if jobs.pending():
+            return False
+        return self._lead_round(view)
 
-    def _lead_round(self, f: PeerState) -> bool:
+    def _catch_up(self, f: PeerState, jobs: Jobs) -> bool:
+        """Finish or replay the round on which the histories differ, if they do."""
         T, fT = self.store.num_rounds, f.T
         if fT > T + 1 or fT < T - 1:
             raise RuntimeError(f"the servers' histories diverged: T = {T} here, {fT} at server 1")
         if fT == T + 1:   # server 1 committed the round we did not: finish it here
             if f.last is None:
                 raise RuntimeError(f"server 1 has {fT} rounds but reports no last round")
-            self._close_round(T + 1, list(f.last.participants), f.last.sizes_by_client())
+            if f.last.job is not None:
+                jobs.finish_adoption(f)
+            else:
+                self._close_round(T + 1, list(f.last.participants), f.last.sizes_by_client())
             return True
         if fT == T - 1:   # cannot happen with our commit order; replay for safety
+            if self.store.round_kind(T) == "unlearning":
+                raise RuntimeError(f"round {T} is an adoption that server 1 does not have; "
+                                   "server 1 always adopts first, so its store was rolled back")
             self._close_round(T, list(self.store.participants(T)), self.committed_sizes(T))
             return True
+        return False
+
+    def _lead_round(self, f: PeerState) -> bool:
+        T = self.store.num_rounds
         if self.open_round() is None:
             return False
         r = T + 1
@@ -170,10 +208,11 @@ class RoundCoordinator:
         theirs = f.staged
         common = sorted(j for j in self.store.staged(r) if j in theirs and mine.get(j) == theirs[j])
         late = time.monotonic() >= self._round_opened + self.cfg.fl.round_deadline
-        if len(common) >= self.cfg.fl.clients_expected or (late and len(common) >= self.cfg.fl.min_clients):
-            if late and len(common) < self.cfg.fl.clients_expected:
+        expected = self.expected_clients()
+        if len(common) >= expected or (late and len(common) >= self.cfg.fl.min_clients):
+            if late and len(common) < expected:
                 log.warning("round %d: deadline passed; closing with %d of %d clients", r,
-                            len(common), self.cfg.fl.clients_expected)
+                            len(common), expected)
             self._close_round(r, common, {j: mine[j] for j in common})
             return True
         if late:

@@ -13,9 +13,10 @@ What it runs (docs/design.md 3 and 4.4), each part in its own module:
 This module builds them around one history store (``servers.share_store``) and sidecar
 (``servers.service_state``), and runs them until :meth:`ServerDaemon.stop`.
 
-Restart: the history store is reopened (committed rounds, staged uploads), the sidecar
-restores nonces and reported data sizes, jobs that were running are re-queued. Nothing else
-is needed to resume.
+Restart: the history store is reopened (committed rounds, staged uploads, forgotten clients),
+the sidecar restores nonces and reported data sizes, jobs that were running are re-queued
+(their next run gets a new attempt number) and an adoption that committed just before the
+stop is recorded as done. Nothing else is needed to resume.
 
 Crash-test seam: ``STARFISH_CRASH_AT=name[:n]`` (``servers.crash_points``).
 """
@@ -39,7 +40,8 @@ from .correction_tasks import TaskBoard
 from .crash_points import checkpoint, install_crash_points
 from .job_scheduler import JobScheduler
 from .peer_link import PeerClient, PeerServer
-from .peer_messages import CloseRound, GetState, JobFail, JobStart, parse_request
+from .peer_messages import (AdoptJob, CloseRound, GetState, JobFail, JobReceipt, JobStart,
+                            parse_request)
 from .round_coordinator import RoundCoordinator
 from .service_state import ServiceState
 from .share_store import ShareStore
@@ -79,7 +81,8 @@ class ServerDaemon:
             self.peer = PeerClient(cfg.keys_dir, cfg.server1.peer().address,
                                    timeout=cfg.limits.peer_timeout, max_bytes=cfg.limits.max_frame_bytes)
         self.rounds = RoundCoordinator(cfg, self.store, self.state, peer=self.peer, stop=self.stop_event)
-        self.jobs = JobScheduler(cfg, party, self.store, self.board, results_dir=self.data_dir / "results",
+        self.jobs = JobScheduler(cfg, party, self.store, self.state, self.board,
+                                 results_dir=self.data_dir / "results",
                                  mpc_listener=self._mpc_listener, peer=self.peer, stop=self.stop_event)
         self.jobs.requeue_interrupted()
         self.api = ClientAPI(cfg, party, self._api_listener, api_ctx, store=self.store, state=self.state,
@@ -98,7 +101,7 @@ class ServerDaemon:
                               max_bytes=self.cfg.limits.max_frame_bytes, stop=self.stop_event)
             threads.append(threading.Thread(target=peer.serve_forever, name="peer", daemon=True))
         else:
-            threads.append(threading.Thread(target=self.rounds.lead_forever, args=(self.jobs.lead,),
+            threads.append(threading.Thread(target=self.rounds.lead_forever, args=(self.jobs,),
                                             name="leader", daemon=True))
         for t in threads:
             t.start()
@@ -139,4 +142,8 @@ class ServerDaemon:
             self.jobs.follow_start(req)
         elif isinstance(req, JobFail):
             self.jobs.follow_fail(req)
+        elif isinstance(req, AdoptJob):
+            return self.jobs.follow_adopt(req).to_wire()
+        elif isinstance(req, JobReceipt):
+            self.jobs.follow_receipt(req)
         return {}

@@ -34,6 +34,7 @@ from protocols.starfish.params import StarfishParams
 from protocols.starfish.stage2 import run_stage2
 
 from .correction_tasks import LockstepError, ServiceCorrectionClients, TaskBoard
+from .crash_points import checkpoint
 from .ring_aggregation import model_digest
 from .share_history import ShareHistory
 from .share_store import ShareStore
@@ -88,11 +89,26 @@ def read_result(json_path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.n
     return summary, model
 
 
+def _step_checkpoints(party: Any) -> None:
+    """Crash-test seam: entering Stage II step X passes checkpoint ``job-step-X``."""
+    meter = party.meter
+
+    def step(name: str) -> Any:
+        checkpoint(f"job-step-{name}")
+        return meter(name)
+    party.meter = step
+
+
 def run_job(*, rank: int, cfg: ServiceConfig, store: ShareStore, board: TaskBoard, job_id: str,
             targets: list[int], rounds: int, results_dir: Path,
-            mpc_listener: socket.socket | None, stop: threading.Event,
-            progress: Callable[[float, str], None] | None = None) -> Path:
-    """Open the 2PC session, run Stage II on this party's shares, write and return the result."""
+            mpc_listener: socket.socket | None, stop: threading.Event, attempt: int = 1,
+            progress: Callable[[float, str], None] | None = None) -> tuple[Path, str]:
+    """Open the 2PC session of run ``attempt``, run Stage II on this party's shares, write the
+    result; returns its path and the model's digest (the same on both servers).
+
+    ``progress`` is called after every replayed round; it may raise to abandon the run (a
+    cancelled job): the session is closed and the other server's run then fails too.
+    """
     timeout = max(cfg.unlearning.session_timeout, cfg.unlearning.correction_timeout + 60.0)
     t0 = time.perf_counter()
     party = open_party(
@@ -101,17 +117,20 @@ def run_job(*, rank: int, cfg: ServiceConfig, store: ShareStore, board: TaskBoar
         peer_address=cfg.server1.mpc().address if rank == 0 else None,
         dealer_address=cfg.dealer.endpoint().address,
         timeout=timeout,
+        ticket=f"job:{job_id}:attempt:{attempt}".encode(),
     )
     try:
         # both parties say which job they run before computing anything
-        party.channel.send_frame(KIND_OBJECT, wire.pack({"job": job_id, "rounds": rounds,
-                                                         "targets": targets}))
+        hello = {"job": job_id, "attempt": attempt, "rounds": rounds, "targets": targets}
+        party.channel.send_frame(KIND_OBJECT, wire.pack(hello))
         other = wire.unpack(party.channel.recv_frame(KIND_OBJECT), 1 << 16)
-        if other != {"job": job_id, "rounds": rounds, "targets": targets}:
+        if other != hello:
             raise LockstepError(f"the other server started {other}, we started job {job_id}")
+        _step_checkpoints(party)
         history = ShareHistory(store, wrap=party.wrap_share, rounds=rounds)
         clients = ServiceCorrectionClients(board, party, job_id, timeout=cfg.unlearning.correction_timeout,
-                                           dim=store.dim, precision=store.precision, stop=stop)
+                                           dim=store.dim, precision=store.precision, attempt=attempt,
+                                           stop=stop)
 
         def on_step(done: int, total: int, info: str) -> None:
             if progress is not None:
@@ -129,9 +148,9 @@ def run_job(*, rank: int, cfg: ServiceConfig, store: ShareStore, board: TaskBoar
         party.close()
         board.close_job(job_id)
     summary = {
-        "job": job_id, "targets": targets, "rounds": rounds, **result.to_json(),
+        "job": job_id, "attempt": attempt, "targets": targets, "rounds": rounds, **result.to_json(),
         "model_sha256": digest, "wall_seconds": time.perf_counter() - t0,
         "client_exact_updates": {str(k): v for k, v in sorted(clients.requested.items())},
         "meters": meters,
     }
-    return write_result(results_dir, job_id, model, summary)
+    return write_result(results_dir, job_id, model, summary), digest

@@ -9,11 +9,16 @@ What it does (docs/design.md 4.4, issue 6):
 3. runs 20 simulated clients on the digits (``starfish clients``; client 0 poisons half its
    data with a backdoor trigger and boosts its update): 40 rounds of FL on secret shares,
    then client 0 asks to be forgotten and the servers run Starfish under 2PC, the other
-   clients answering the correction tasks;
+   clients answering the correction tasks; both servers adopt the unlearned model as
+   M_41, erase client 0 and FL goes on for 5 more rounds from it; client 0's next upload
+   is refused (``forgotten``);
 4. compares, on the plaintext twin the simulator recorded: plaintext retraining,
-   FedRecover and the plaintext Starfish, with the 2PC result (TER, BA-ASR);
-5. prints the report (selected rounds, per-step communication, wall time) and stops
-   every process it started, also on Ctrl-C or failure.
+   FedRecover and the plaintext Starfish, with the 2PC result (TER, BA-ASR), and the model
+   after the 5 further rounds;
+5. prints the report (selected rounds, per-step communication, wall time, the erasure
+   receipt), scans every byte under both servers' data directories for client 0's shares
+   (recomputed from its key and the twin) and stops every process it started, also on
+   Ctrl-C or failure.
 
 ``starfish demo --runtime`` is the older demonstration of the 2PC runtime alone.
 """
@@ -37,11 +42,13 @@ import torch
 
 from clients.metrics import Evaluator
 from clients.service_client import ServiceClient
+from clients.share_seeds import disk_traces, find_traces, seeded_shares
 from clients.simulator import build_federation
-from mpc import wire
+from mpc import tls, wire
 from mpc.channel import ChannelError
 from mpc.service_config import load_config, write_scratch_deployment
 from protocols.starfish import run_stage2
+from protocols.starfish.ports import History, history_prefix
 from servers.lab.history import NpzHistory
 from servers.lab.metrics import l2_distance
 from servers.lab.recovery import FedRecover, Retrain
@@ -95,7 +102,8 @@ class ProcessGroup:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", action="store_true", help="the 2PC runtime demo instead of the service")
     p.add_argument("--clients", type=int, default=20, help="simulated clients (20)")
-    p.add_argument("--rounds", type=int, default=40, help="FL rounds (40)")
+    p.add_argument("--rounds", type=int, default=40, help="FL rounds before the request (40)")
+    p.add_argument("--after", type=int, default=5, help="FL rounds after the adoption (5)")
     p.add_argument("--workdir", help="deployment directory (default: a new temporary one, removed "
                                      "after a successful run)")
     p.add_argument("--keep", action="store_true", help="keep the temporary deployment directory")
@@ -135,7 +143,7 @@ def _follow(path: Path, offset: int) -> int:
         return offset
     end = data.rfind(b"\n") + 1
     for line in data[:end].decode(errors="replace").splitlines():
-        if line.startswith("clients:") or "requested unlearning" in line:
+        if line.startswith("clients:") or line.startswith("client "):
             _say("  " + line)
     return offset + end
 
@@ -172,12 +180,14 @@ def _comm_table(meters0: dict, meters1: dict) -> list[str]:
     return rows
 
 
-def _baselines(cfg: Any, twin_dir: Path, n: int, target: int, model_2pc: Any) -> tuple[list, dict]:
-    """Plaintext retrain, FedRecover and Starfish on the twin; metrics of every model."""
+def _baselines(cfg: Any, full: History, rounds: int, n: int, target: int, model_2pc: Any
+               ) -> tuple[list, dict]:
+    """Plaintext retrain, FedRecover and Starfish on the twin of the history the job read
+    (its first ``rounds`` rounds); metrics of every model and of the final M_T."""
 
     spec = federation_spec(cfg, _sim_args(n, target))
     fed = build_federation(spec)
-    twin = NpzHistory(twin_dir)
+    twin = history_prefix(full, rounds)
     tc = fed.clients[target]
     evaluate = Evaluator(fed.factory, fed.data.x_test, fed.data.y_test, tc.clean_x, tc.clean_y,
                          fed.trigger, spec.target_label)
@@ -194,11 +204,13 @@ def _baselines(cfg: Any, twin_dir: Path, n: int, target: int, model_2pc: Any) ->
                                  warmup=cfg.unlearning.buffer).unlearn(twin, [target], fed.clients)
     m2pc = torch.from_numpy(np.asarray(model_2pc))
     rows = [
-        ("original M_T (with client %d)" % target, twin.model(twin.num_rounds), float("nan")),
+        (f"M_{rounds} (with client {target})", twin.model(twin.num_rounds), float("nan")),
         ("Starfish, 2PC (the servers)", m2pc, None),
         ("Starfish, plaintext twin", plain.model, t_plain),
         ("retrain, plaintext", retrained, c_re.wall_time_s),
         ("FedRecover, plaintext", recovered, c_fr.wall_time_s),
+        (f"M_{full.num_rounds}: {full.num_rounds - rounds - 1} FL rounds later", full.model(full.num_rounds),
+         float("nan")),
     ]
     table = []
     for name, model, secs in rows:
@@ -209,9 +221,40 @@ def _baselines(cfg: Any, twin_dir: Path, n: int, target: int, model_2pc: Any) ->
     return table, extra
 
 
+def _erasure_scan(cfg: Any, twin: History, target: int, control: int) -> tuple[int, int, int]:
+    """Traces of ``target``'s shares under both data directories (files hit), and of
+    ``control``'s (a remaining client: the scan must find those); files scanned."""
+    found = {target: 0, control: 0}
+    precision = 16
+    for c in found:
+        key = tls.identity(cfg.keys_dir, f"client-{c}").key.read_bytes()
+        traces: dict[int, list[bytes]] = {0: [], 1: []}
+        for r in range(1, twin.num_rounds + 1):
+            if c in twin.participants(r):
+                values = {"update": twin.update(r, c).numpy(), "norm": twin.norm(r, c).numpy(),
+                          "delta": twin.delta(r, c).numpy()}
+                for p, t in disk_traces(seeded_shares(key, f"round/{r}", values, precision)).items():
+                    traces[p] += t
+        for p in (0, 1):
+            found[c] += len({path for path, _ in find_traces(cfg.data_dir(p), traces[p])})
+    files = sum(len(files) for p in (0, 1) for _, _, files in os.walk(cfg.data_dir(p)))
+    return found[target], found[control], files
+
+
 def _sim_args(n: int, target: int) -> argparse.Namespace:
     return argparse.Namespace(dataset=None, data_dir=None, n=n, seed=None, backdoor=str(target),
                               epochs=None, lr=None, train_limit=None)
+
+
+def _ranges(rounds: list[int]) -> str:
+    """[1, 2, 3, 5] -> "1-3, 5"."""
+    out: list[str] = []
+    for r in rounds:
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out) or "none"
 
 
 def run_service_demo(args: argparse.Namespace) -> int:
@@ -223,7 +266,7 @@ def run_service_demo(args: argparse.Namespace) -> int:
     target = 0
     _say(f"[1/5] keys and config for a loopback deployment in {work}")
     cfg_path = write_scratch_deployment(work, clients=args.clients, overrides={
-        "fl": {"rounds": args.rounds, "round_deadline": 120.0}})
+        "fl": {"rounds": args.rounds + args.after, "round_deadline": 120.0}})
     cfg = load_config(cfg_path)
     procs = ProcessGroup(work / "logs")
     ok = False
@@ -236,11 +279,12 @@ def run_service_demo(args: argparse.Namespace) -> int:
         _wait_ready(cfg, procs, deadline)
         _say(f"[3/5] {args.clients} clients train {args.rounds} rounds on the digits (client {target} "
              f"has a backdoor), sharing every upload between the servers; then client {target} "
-             "asks to be forgotten and the servers run Starfish in 2PC")
+             f"asks to be forgotten, the servers run Starfish in 2PC, adopt the result as "
+             f"M_{args.rounds + 1}, erase client {target}, and FL goes on for {args.after} rounds")
         t_fl = time.monotonic()
         clients = procs.start("clients", [
             "clients", "--config", str(cfg_path), "--n", str(args.clients), "--backdoor", str(target),
-            "--unlearn", str(target), "--twin-dir", str(work / "twin"), "--summary",
+            "--unlearn", f"{target}@{args.rounds}", "--twin-dir", str(work / "twin"), "--summary",
             str(work / "clients.json"), "--max-seconds", str(max(30.0, deadline - time.monotonic()))], env)
         offset = 0
         while clients.poll() is None:
@@ -263,10 +307,12 @@ def run_service_demo(args: argparse.Namespace) -> int:
         same = bool(np.array_equal(recs[0]["model"], recs[1]["model"]))
         res0, res1 = recs[0]["result"], recs[1]["result"]
         _say("[4/5] plaintext baselines on the twin history (retrain, FedRecover, Starfish)")
-        table, extra = _baselines(cfg, work / "twin", args.clients, target, recs[0]["model"])
+        twin = NpzHistory(work / "twin")
+        table, extra = _baselines(cfg, twin, res0["rounds"], args.clients, target, recs[0]["model"])
         _say("[5/5] report\n")
-        _say(f"FL: {summary['T']} rounds, {args.clients} clients; every published model equals "
-             f"plaintext FedAvg of the clients' updates within {summary['fedavg_max_abs_error']:.1e}")
+        _say(f"FL: {summary['T']} rounds ({summary['T'] - 1} FL rounds and 1 unlearning round), "
+             f"{args.clients} clients; every FL model equals plaintext FedAvg of the clients' "
+             f"updates within {summary['fedavg_max_abs_error']:.1e}")
         _say(f"unlearning job {job}: requested by client-{target}; both servers published the "
              f"{'same' if same else 'DIFFERENT'} model; 2PC vs plaintext twin: max |diff| = "
              f"{extra['max_abs_2pc_vs_plain']:.1e}\n")
@@ -283,10 +329,24 @@ def run_service_demo(args: argparse.Namespace) -> int:
              "dealer<->servers):")
         for line in _comm_table(res0["meters"], res1["meters"]):
             _say("  " + line)
+        receipt = recs[0].get("receipt") or {}
+        _say(f"\nadopted: M_{receipt.get('adopted_round')} is the unlearned model at both servers; "
+             f"FL went on from it to M_{summary['T']}")
+        _say(f"refused: client {target}'s upload after the adoption: "
+             f"{summary['refused_uploads'].get(str(target), 'NOT REFUSED')}")
+        _say(f"erasure receipt: clients {receipt.get('clients')} erased from rounds "
+             f"{_ranges(receipt.get('rounds_erased', []))}")
+        for name, conf in sorted(receipt.get("confirmations", {}).items()):
+            _say(f"  {name}: {conf['share_rows']} share rows and {conf['staged_rows']} staged uploads "
+                 f"deleted, {conf['blobs_removed']} blob files unlinked, catalog compacted")
+        hits, control, files = _erasure_scan(cfg, twin, target, 1)
+        _say(f"scan of both data directories ({files} files, every byte): client {target}'s shares "
+             f"found in {hits} files (client 1's, as a control: in {control} files)")
         total = time.monotonic() - t_start
         _say(f"\nwall time: FL + unlearning (clients process) {t_clients:.0f}s, 2PC job "
              f"{res0['wall_seconds']:.0f}s, whole demo {total:.0f}s")
-        ok = same
+        ok = same and hits == 0 and control > 0 and receipt.get("clients") == [target] and \
+            summary["refused_uploads"].get(str(target), "").startswith("forgotten")
         return 0 if ok else 1
     finally:
         procs.stop_all()

@@ -10,7 +10,8 @@ transpose, indexing, sum. Public data is always a torch tensor.
 Modules, in the order Stage II runs them:
 
 * :mod:`.params` - StarfishParams: defaults (paper Sec. VI-A) and T' = ceil(sigma T), T_c = ceil(beta T)
-* :mod:`.ports` - what Stage II needs from its host: History, CorrectionClients
+* :mod:`.ports` - what Stage II needs from its host: History, CorrectionClients; the candidate
+  rounds of partial participation and the ``without_clients`` view of an erasing store
 * :mod:`.threshold_determination` - delta^j = max_i delta_i^j (SecMax, batched)
 * :mod:`.round_selection` - SecRS: keys (one or several targets), top-k, the Method 1/2 switch
 * :mod:`.update_estimation` - FedRecover's L-BFGS estimate, compact form (SecUE)
@@ -23,7 +24,8 @@ Modules, in the order Stage II runs them:
 """
 
 from .params import StarfishParams
-from .ports import CorrectionClients, History, RoundRecord, remaining_clients
+from .ports import (CorrectionClients, History, RoundRecord, candidate_rounds, remaining_clients,
+                    without_clients)
 from .round_selection import combine_targets, num_selected, select_rounds, selection_keys, starfish_select
 from .stage2 import Stage2Result, run_stage2
 from .threshold_check import check_thresholds
@@ -36,6 +38,8 @@ __all__ = [
     "RoundRecord",
     "CorrectionClients",
     "remaining_clients",
+    "candidate_rounds",
+    "without_clients",
     "determine_thresholds",
     "selection_keys",
     "select_rounds",

@@ -17,7 +17,8 @@ Which pairs are kept (the L-BFGS safeguard; without it the estimate can be meani
   client j's secant satisfied the condition: one bit about its exact update per correction),
   since the buffers' contents decide which values later steps multiply.
 
-Warm-up lasts until every buffer holds B pairs, so a client whose pairs keep failing keeps
+Warm-up lasts until every buffer holds B pairs (with partial participation: every buffer of
+the clients present in the round being replayed), so a client whose pairs keep failing keeps
 sending exact updates (correct, only less saving).
 """
 
@@ -100,8 +101,11 @@ class PairBuffers:
         """One pair; False if it was skipped."""
         return self.push_many([client], s, [y])[0]
 
-    def all_full(self) -> bool:
-        return all(len(v) >= self.size for v in self._s.values())
+    def all_full(self, clients: Sequence[int] | None = None) -> bool:
+        """Whether every buffer (or those of ``clients``) holds B pairs."""
+        if clients is None:
+            return all(len(v) >= self.size for v in self._s.values())
+        return all(len(self._s[j]) >= self.size for j in clients)
 
     def stacked(self, clients: Sequence[int]) -> tuple[torch.Tensor, Any]:
         """S (n, m, B) public and Y (n, m, B), oldest pair first."""

@@ -10,6 +10,9 @@ are written once (paper Sec. VI-A: sigma 0.6, alpha 0.4, beta 0.1, B 2), with
 
 alpha acts in Stage I (each client's delta_i^j is the value a fraction alpha of its
 |g_i^j| coordinates exceed); it is carried here so that one object describes a run.
+
+Stage II passes |C| for T, the number of candidate rounds (rounds in which a remaining client
+took part, ``ports.candidate_rounds``); with full participation |C| = T.
 """
 
 from __future__ import annotations

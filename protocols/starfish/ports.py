@@ -12,6 +12,15 @@ tensor in the lab, this party's CrypTen tensor on a server.
 Conventions: rounds are 1-based; ``model(0)`` is the initial model M_0; ``model(i)`` is the
 model published after round i, M_i = M_{i-1} - server_lr * sum_j w_i^j g_i^j, and the
 updates of round i were computed on M_{i-1}.
+
+Participation is partial and public (docs/unlearning.md, "Partial participation, erased clients
+and unlearning rounds"): a client may miss rounds; an erased client's entries are gone from the
+rounds it took part in (the other participants' stored weights are *not* renormalised, so the
+weights of such a round may sum to less than 1); and an *unlearning round* (the servers adopted
+an unlearned model) has no participants at all: participants == (), weights == {}, and its model
+is the unlearned one. :func:`present_clients` and :func:`candidate_rounds` say which rounds a
+replay for a set of clients can use; :func:`without_clients` is the view of a history whose
+store erased some clients.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ from typing import Any, Protocol
 import torch
 
 __all__ = ["Secret", "RoundRecord", "History", "CorrectionClients", "check_record",
-           "remaining_clients", "require_full_participation"]
+           "remaining_clients", "present_clients", "candidate_rounds", "rounds_of",
+           "without_clients", "history_prefix"]
 
 #: A plain torch tensor (plaintext lab) or a secret-shared tensor (CrypTen MPCTensor).
 Secret = Any
@@ -32,11 +42,14 @@ Secret = Any
 
 @dataclass(frozen=True)
 class RoundRecord:
-    """Everything stored for one FL round (what ``History.append_round`` accepts)."""
+    """Everything stored for one FL round (what ``History.append_round`` accepts).
+
+    An unlearning round (an adopted unlearned model) is ``RoundRecord(model, (), {}, {}, {}, {})``.
+    """
 
     model: torch.Tensor                   # M_i, public
     participants: tuple[int, ...]         # clients whose updates reached the servers
-    weights: Mapping[int, float]          # FedAvg weights of this round, sum to 1
+    weights: Mapping[int, float]          # FedAvg weights of this round, sum to 1 (if any)
     updates: Mapping[int, Secret]         # g_i^j
     norms: Mapping[int, Secret]           # ||g_i^j||_2
     deltas: Mapping[int, Secret]          # delta_i^j
@@ -105,6 +118,9 @@ class History(ABC):
 
 
 def check_record(record: RoundRecord, dim: int | None) -> None:
+    """Refuse a malformed round: participants sorted and unique, one entry per participant in
+    every table, weights summing to 1, the model's size. A round without participants (an
+    unlearning round) has empty tables and is accepted."""
     parts = tuple(record.participants)
     if tuple(sorted(set(parts))) != parts:
         raise ValueError("participants must be sorted and unique")
@@ -143,11 +159,108 @@ def remaining_clients(history: History, targets: Iterable[int]) -> list[int]:
     return rest
 
 
-def require_full_participation(history: History, clients: Iterable[int], method: str) -> None:
-    """Refuse a history in which one of ``clients`` missed a round (the replay needs every update)."""
-    wanted = list(clients)
-    for i in range(1, history.num_rounds + 1):
-        missing = [j for j in wanted if j not in history.participants(i)]
-        if missing:
-            raise NotImplementedError(f"{method} here assumes full participation: clients {missing} "
-                                      f"missed round {i}")
+def present_clients(history: History, i: int, clients: Iterable[int]) -> list[int]:
+    """present_i = ``clients`` that took part in round i, in the order of ``clients`` (public)."""
+    taken = set(history.participants(i))
+    return [j for j in clients if j in taken]
+
+
+def candidate_rounds(history: History, clients: Iterable[int]) -> list[int]:
+    """C: the rounds 1..T in which at least one of ``clients`` took part (public).
+
+    Stage II and FedRecover replay only rounds of C (for ``clients`` = the remaining clients):
+    an unlearning round or a round of targets only has nothing to replay.
+    """
+    wanted = set(clients)
+    return [i for i in range(1, history.num_rounds + 1) if wanted.intersection(history.participants(i))]
+
+
+def rounds_of(history: History, client: int) -> list[int]:
+    """The rounds ``client`` took part in (public)."""
+    return [i for i in range(1, history.num_rounds + 1) if client in history.participants(i)]
+
+
+class _WithoutClients(History):
+    """Read-only view of ``base`` with ``hidden`` clients erased (see :func:`without_clients`)."""
+
+    def __init__(self, base: History, hidden: Iterable[int]) -> None:
+        self._base = base
+        self._hidden = frozenset(int(j) for j in hidden)
+
+    @property
+    def num_rounds(self) -> int:
+        return self._base.num_rounds
+
+    @property
+    def server_lr(self) -> float:
+        return self._base.server_lr
+
+    def model(self, i: int) -> torch.Tensor:
+        return self._base.model(i)
+
+    def participants(self, i: int) -> tuple[int, ...]:
+        return tuple(j for j in self._base.participants(i) if j not in self._hidden)
+
+    def weights(self, i: int) -> Mapping[int, float]:
+        return {j: w for j, w in self._base.weights(i).items() if j not in self._hidden}
+
+    def _visible(self, client: int) -> None:
+        if client in self._hidden:
+            raise KeyError(f"client {client} was erased from this history")
+
+    def update(self, i: int, client: int) -> Secret:
+        self._visible(client)
+        return self._base.update(i, client)
+
+    def norm(self, i: int, client: int) -> Secret:
+        self._visible(client)
+        return self._base.norm(i, client)
+
+    def delta(self, i: int, client: int) -> Secret:
+        self._visible(client)
+        return self._base.delta(i, client)
+
+    def append_round(self, record: RoundRecord) -> None:
+        raise TypeError("a without_clients view is read-only; append to the underlying history")
+
+
+def without_clients(history: History, clients: Iterable[int]) -> History:
+    """``history`` as a store that erased ``clients`` would hold it (a read-only view).
+
+    The erased clients are gone from ``participants`` and ``weights`` of every round; the other
+    participants' weights are left as stored (not renormalised: Stage II renormalises over the
+    clients it replays anyway); reading an erased client's update, norm or threshold raises
+    KeyError. Models are unchanged. For the plaintext twin of a server whose store erased
+    ``clients`` after an earlier unlearning.
+    """
+    return _WithoutClients(history, clients)
+
+
+class _Prefix(_WithoutClients):
+    """Read-only view of the first ``rounds`` rounds of ``base`` (see :func:`history_prefix`)."""
+
+    def __init__(self, base: History, rounds: int) -> None:
+        super().__init__(base, ())
+        if not 0 <= rounds <= base.num_rounds:
+            raise ValueError(f"a prefix of {rounds} rounds of a history of {base.num_rounds}")
+        self._rounds = rounds
+
+    @property
+    def num_rounds(self) -> int:
+        return self._rounds
+
+    def model(self, i: int) -> torch.Tensor:
+        if not 0 <= i <= self._rounds:
+            raise IndexError(f"model {i} not in 0..{self._rounds}")
+        return self._base.model(i)
+
+    def participants(self, i: int) -> tuple[int, ...]:
+        if not 1 <= i <= self._rounds:
+            raise IndexError(f"round {i} not in 1..{self._rounds}")
+        return self._base.participants(i)
+
+
+def history_prefix(history: History, rounds: int) -> History:
+    """Rounds 1..``rounds`` of ``history`` (read-only): what a job pinned to them reads, for the
+    plaintext twin of a job that ran before later rounds were recorded."""
+    return _Prefix(history, rounds)

@@ -2,17 +2,31 @@
 
 Why one loop: Starfish's Stage II, the FedRecover baseline and the per-step benchmark all
 replay FL rounds t from M_hat = M_0 in the same way and differ only in *when* they ask the
-clients for exact updates. Per replayed round t:
+clients for exact updates. Per replayed round t, with present_t = the remaining clients that
+took part in round t (public; all of them under full participation):
 
-1. s = M_hat - M_{t-1} (public) and the stored updates g_t^j of the remaining clients;
-2. the schedule says whether every client sends an exact update now (warm-up, periodic or
-   final correction), or the updates are estimated (``UE``: g + H(M_hat - M_{t-1}) from the
-   clients' L-BFGS pairs) and the schedule then names the clients whose estimate it rejects
-   (Starfish: the threshold check; FedRecover: its abnormality test);
+1. s = M_hat - M_{t-1} (public, M_{t-1} the round's own stored model) and the stored updates
+   g_t^j of the present clients;
+2. the schedule says whether every present client sends an exact update now (warm-up,
+   periodic or final correction), or their updates are estimated (``UE``: g + H(M_hat -
+   M_{t-1}) from the clients' L-BFGS pairs) and the schedule then names the clients whose
+   estimate it rejects (Starfish: the threshold check; FedRecover: its abnormality test);
 3. ``correction``: those clients' exact updates replace their rows; ``pairs``: their secants
    are offered to the L-BFGS buffers (kept if they pass the curvature test);
-4. ``aggregate``: M_hat <- M_hat - eta sum_j w_j g^j with FedAvg weights renormalised over
-   the remaining clients; the aggregate is the only value opened.
+4. ``aggregate``: M_hat <- M_hat - eta sum_j w_j g^j with the stored FedAvg weights of round
+   t renormalised over present_t; the aggregate is the only value opened.
+
+Rounds without a present client (an unlearning round, a round of targets only) cannot be
+replayed (``replay_round`` refuses them); callers replay only candidate rounds
+(``ports.candidate_rounds``) and M_hat carries over the rounds they skip.
+
+In step with the history: while the replay has only reproduced stored rounds, M_hat *is* a
+stored model. It starts as M_0; replaying round t when M_hat is M_{t-1} and every participant
+of t is present (no target, no erased client: the renormalised weights are the stored ones)
+gives M_t again. Such a round's s is 0 by construction and is taken as exactly 0 (no L-BFGS
+pair: it would carry no curvature, only rounding, which differs between 2PC and plaintext); the
+decision is public (participation and the replayed rounds are). Under full participation only
+a replay that starts with round 1 is in step, and only in its first step (s = M_0 - M_0 = 0).
 
 Each of the three phases is metered under its name when a meter is given. Works on plain
 and shared values alike (docs/design.md 4.1).
@@ -46,14 +60,20 @@ class Schedule(Protocol):
     """When a replay asks for exact updates (the only thing the methods disagree on)."""
 
     def exact_now(self, step: int, round_index: int, replay: Replay) -> bool:
-        """True: every remaining client sends its exact update in this round."""
+        """True: every present client (``replay.present``) sends its exact update in this round."""
 
     def rejected(self, step: int, round_index: int, estimates: Any, replay: Replay) -> list[int]:
-        """Clients whose estimate is replaced by an exact update (ids from ``replay.rest``)."""
+        """Clients whose estimate is replaced by an exact update (ids from ``replay.present``,
+        whose order the rows of ``estimates`` follow)."""
 
 
 class Replay:
-    """Replays rounds of ``history`` for the clients ``rest`` from M_hat = M_0."""
+    """Replays rounds of ``history`` for the clients ``rest`` from M_hat = M_0.
+
+    ``present``: the remaining clients of the round being replayed (set before the schedule is
+    asked); ``present_rows``: their positions in ``rest``; ``synced_round``: r while M_hat is
+    the stored M_r by construction (module docstring), else None.
+    """
 
     def __init__(self, history: History, rest: Sequence[int], clients: CorrectionClients, *,
                  buffer: int, server_lr: float, meter: Meter = no_meter,
@@ -71,6 +91,9 @@ class Replay:
         self.estimated_updates = 0
         self.exact_requests: dict[int, list[int]] = {}
         self.last_aggregate: torch.Tensor | None = None
+        self.present: list[int] = list(self.rest)
+        self.present_rows: list[int] = list(range(len(self.rest)))
+        self.synced_round: int | None = 0
 
     def run(self, rounds: Sequence[int], schedule: Schedule,
             progress: ProgressFn | None = None) -> torch.Tensor:
@@ -78,37 +101,48 @@ class Replay:
         for t in rounds:
             exact = self.replay_round(t, schedule)
             if progress is not None:
-                progress(self.step, len(rounds), f"round {t}, exact {len(exact)}/{len(self.rest)}")
+                progress(self.step, len(rounds), f"round {t}, exact {len(exact)}/{len(self.present)}")
         return self.model.to(self.out_dtype)
 
     def replay_round(self, t: int, schedule: Schedule) -> list[int]:
         """One replayed round (module docstring); returns the clients asked for exact updates."""
+        history = self.history
+        taken = set(history.participants(t))
+        rows_of = [r for r, j in enumerate(self.rest) if j in taken]
+        if not rows_of:
+            raise ValueError(f"round {t} has no remaining client to replay")
         self.step += 1
-        history, rest = self.history, self.rest
+        present = [self.rest[r] for r in rows_of]     # present_t, in the order of self.rest
+        self.present, self.present_rows = present, rows_of
         w_all = history.weights(t)
-        wsum = sum(w_all[j] for j in rest)
-        weights = [w_all[j] / wsum for j in rest]
+        wsum = sum(w_all[j] for j in present)
+        weights = [w_all[j] / wsum for j in present]
+        in_step = self.synced_round == t - 1
         s = self.model - history.model(t - 1).to(torch.float64)
-        stored = [to_compute(history.update(t, j)) for j in rest]
-        rows: list[Any] = [None] * len(rest)
+        if in_step:
+            s = torch.zeros_like(s)      # M_hat is M_{t-1}: s = 0, not rounding noise
+        stored = [to_compute(history.update(t, j)) for j in present]
+        rows: list[Any] = [None] * len(present)
         if schedule.exact_now(self.step, t, self):
-            exact_ids = list(rest)
+            exact_ids = list(present)
         else:
             with self.meter("UE"):
-                S, Y = self.buffers.stacked(rest)
+                S, Y = self.buffers.stacked(present)
                 est = estimate_updates(stack(stored), s, S, Y, self.inverse)
-            self.estimated_updates += len(rest)
-            rows = [est[r] for r in range(len(rest))]
+            self.estimated_updates += len(present)
+            rows = [est[r] for r in range(len(present))]
             exact_ids = schedule.rejected(self.step, t, est, self)
         if exact_ids:
             self.exact_requests[self.step] = list(exact_ids)
             with self.meter("correction"):
                 secants = apply_corrections(self.clients, t, self.model.to(self.out_dtype), exact_ids,
-                                            rest, stored, rows)
+                                            present, stored, rows)
             with self.meter("pairs"):
                 self.buffers.push_many(list(secants), s, list(secants.values()))
         with self.meter("aggregate"):
             aggregate = reveal(weighted_sum(rows, weights)).to(torch.float64)
             self.model = self.model - self.eta * aggregate
         self.last_aggregate = aggregate
+        everyone = len(present) == len(history.participants(t)) and abs(wsum - 1.0) <= 1e-9
+        self.synced_round = t if in_step and everyone else None
         return exact_ids

@@ -38,6 +38,13 @@ Keeping the keys inside the primitives' domains (the caller's job, not the primi
   (||g|| below 2**22 for several targets; a reported norm below 2**44 for one). A round with
   v < 2**-16 (the targets' update is numerically zero) gets the keys (0, 1), i.e. similarity 0,
   in 2PC and in the plaintext twin alike.
+
+Partial participation (docs/unlearning.md): only the candidate rounds C (a remaining client took
+part) are ranked, T' = ceil(sigma |C|); a round of C where no target took part has the public
+similarity 0 (keys (0, 1) for Method 1, tau = 0 for Method 2, spliced in as public zeros, so ties
+among such rounds break alike in 2PC and plaintext: the earlier round first); several targets combine only those present in the round, their
+weights renormalised over them (the squared keys are kept whenever more than one target is
+unlearned, so that all rounds are ranked on one scale).
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ from protocols.sort import ratio_comparator, top_k
 
 from .backend import is_secret, stack, to_compute, weighted_sum
 from .params import Method, StarfishParams
-from .ports import History
+from .ports import History, candidate_rounds, present_clients, remaining_clients
 
 __all__ = ["num_selected", "selection_keys", "normalize_keys", "select_rounds", "combine_targets",
            "starfish_select",
@@ -205,36 +212,71 @@ def normalize_keys(u: Any, v: Any) -> tuple[Any, Any]:
 
 
 def select_rounds(u: Any, v: Any, k: int, method: Method = "auto",
-                  t_delta: int | None = None, rounds: Sequence[int] | None = None) -> list[int]:
+                  t_delta: int | None = None, rounds: Sequence[int] | None = None,
+                  zero_rounds: Sequence[int] = ()) -> list[int]:
     """The k rounds with the largest u/v, revealed and returned in chronological order.
 
-    ``rounds`` names the rounds (default 1..T). Method 1 sorts the pairs with the
-    division-free comparator; Method 2 divides first.
+    ``rounds`` names the rounds of ``u``, ``v`` (default 1..len(u)). ``zero_rounds``: further
+    rounds whose similarity is publicly 0 (no target took part in them); they are ranked with
+    the others at key exactly 0 (public zeros spliced in after the division of Method 2, so that
+    2PC and plaintext break their ties alike: the earlier round first). Method 1 sorts the pairs
+    with the division-free comparator; Method 2 divides first. The method is chosen for the
+    number of ranked rounds, len(u) + len(zero_rounds).
     """
-    T = int(u.shape[0])
+    n_keyed = int(u.shape[0]) if u is not None else 0
+    names = list(rounds) if rounds is not None else list(range(1, n_keyed + 1))
+    if len(names) != n_keyed:
+        raise ValueError("need one round name per key")
+    zeros = list(zero_rounds)
+    ranked = sorted(names + zeros)
+    if len(set(ranked)) != len(ranked):
+        raise ValueError("a round is named twice")
+    T = len(ranked)
     if not 1 <= k <= T:
         raise ValueError(f"k must be in 1..{T}")
-    ids = torch.as_tensor(list(rounds) if rounds is not None else range(1, T + 1),
-                          dtype=torch.int64)
-    if choose_method(T, method, t_delta) == "ratio":
-        chosen = top_k((u, v), ids, k, descending=True, comparator=ratio_comparator)
+    ids = torch.as_tensor(ranked, dtype=torch.int64)
+    ratio = choose_method(T, method, t_delta) == "ratio"
+    keys: Any = None
+    if n_keyed:
+        keys = (u, v) if ratio else divide(u, v)
+    if zeros:
+        pos = {r: n for n, r in enumerate(names)}
+        zero = torch.zeros((), dtype=torch.float64)
+        one = torch.ones((), dtype=torch.float64)
+
+        def spread(values: Any, fill: torch.Tensor) -> Any:
+            return stack([values[pos[r]] if r in pos else fill for r in ranked])
+
+        keys = (spread(u, zero), spread(v, one)) if ratio else spread(keys, zero)
+    if ratio:
+        chosen = top_k(keys, ids, k, descending=True, comparator=ratio_comparator)
     else:
-        chosen = top_k(divide(u, v), ids, k, descending=True)
+        chosen = top_k(keys, ids, k, descending=True)
     chosen = torch.as_tensor(chosen).reshape(-1)
     return sorted(int(round(float(c))) for c in chosen)
 
 
 def starfish_select(history: History, targets: Sequence[int], k: int, params: StarfishParams) -> list[int]:
-    """SecRS on a history: the k rounds most aligned with the targets, chronological.
+    """SecRS on a history: the k rounds of C most aligned with the targets, chronological.
 
-    One target: keys from its update and its reported norm. Several: their FedAvg-weighted
-    sum of updates and the squared keys (module docstring).
+    C = the candidate rounds (a remaining client took part; ``ports.candidate_rounds``); other
+    rounds are never selected. One target: keys from its update and its reported norm. Several:
+    the FedAvg-weighted sum of the updates of the targets *present in the round* (weights
+    renormalised over them) and the squared keys (module docstring). A round of C where no
+    target took part has similarity exactly 0 (public keys). Participation is public.
     """
-    T = history.num_rounds
-    rounds = range(1, T + 1)
-    for i in rounds:
-        if any(t not in history.participants(i) for t in targets):
-            raise NotImplementedError("round selection assumes the targets took part in every round")
+    targets = sorted(set(targets))
+    rounds = candidate_rounds(history, remaining_clients(history, targets))
+    present = {i: present_clients(history, i, targets) for i in rounds}
+    keyed = [i for i in rounds if present[i]]
+    zero = [i for i in rounds if not present[i]]
+    u, v = _target_keys(history, targets, keyed, present) if keyed else (None, None)
+    return select_rounds(u, v, k, params.method, params.t_delta, rounds=keyed, zero_rounds=zero)
+
+
+def _target_keys(history: History, targets: Sequence[int], rounds: Sequence[int],
+                 present: dict[int, list[int]]) -> tuple[Any, Any]:
+    """Normalised keys of ``rounds`` (each with at least one target present)."""
     # The global update in the clients' convention: M_i = M_{i-1} - eta sum_j w_j g_i^j, so the
     # aggregated update is M_{i-1} - M_i (up to eta > 0). The paper writes M_i - M_{i-1} while
     # calling it "the aggregated gradients"; with that sign a target aligned with the round would
@@ -249,10 +291,10 @@ def starfish_select(history: History, targets: Sequence[int], k: int, params: St
         per_round = []
         for i in rounds:
             w = history.weights(i)
-            wt = [w[t] for t in targets]
+            here = present[i]
+            wt = [w[t] for t in here]
             total = sum(wt)
-            per_round.append(combine_targets([to_compute(history.update(i, t)) for t in targets],
+            per_round.append(combine_targets([to_compute(history.update(i, t)) for t in here],
                                              [x / total for x in wt]))
         u, v = selection_keys(stack(per_round), dm, None)
-    u, v = normalize_keys(u, v)
-    return select_rounds(u, v, k, params.method, params.t_delta)
+    return normalize_keys(u, v)

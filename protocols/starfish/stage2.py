@@ -22,6 +22,14 @@ Steps, each metered under its own name when a two-party ``party`` is given:
 
 Schedule detail the paper leaves open: "t_i mod T_c == 0" (Alg. 4 line 15) is read with t_i
 the position of the round in the replay (1..T'), so checks come every T_c replayed rounds.
+
+Partial participation, erased clients and unlearning rounds (docs/unlearning.md): T above is
+|C|, the number of candidate rounds (rounds in which a remaining client took part,
+``ports.candidate_rounds``); only rounds of C are selected and replayed; delta^j is the max over
+the rounds client j took part in; a replayed round uses only its present remaining clients
+(their weights renormalised, their estimates, their thresholds), and the warm-up lasts while a
+*present* client's buffer is not full. Who took part in which round is public. With full
+participation every one of these rules is the rule above.
 """
 
 from __future__ import annotations
@@ -35,14 +43,14 @@ import torch
 
 from .backend import stack, to_compute
 from .params import StarfishParams
-from .ports import CorrectionClients, History, remaining_clients, require_full_participation
+from .ports import CorrectionClients, History, candidate_rounds, remaining_clients, rounds_of
 from .replay import ProgressFn, Replay, no_meter
 from .round_selection import starfish_select
 from .threshold_check import check_thresholds
 from .threshold_determination import determine_thresholds
 from .update_estimation import Inverse
 
-__all__ = ["Stage2Result", "run_stage2"]
+__all__ = ["Stage2Result", "run_stage2", "client_thresholds"]
 
 Selector = Callable[[History, Sequence[int], int, StarfishParams], list[int]]
 
@@ -51,6 +59,7 @@ Selector = Callable[[History, Sequence[int], int, StarfishParams], list[int]]
 class Stage2Result:
     model: torch.Tensor
     selected_rounds: list[int]
+    candidate_rounds: list[int] = field(default_factory=list)        # C (public)
     thresholds_revealed: bool = False
     flags: dict[int, list[int]] = field(default_factory=dict)        # replay step -> flagged ids
     exact_requests: dict[int, list[int]] = field(default_factory=dict)  # replay step -> ids asked
@@ -73,7 +82,8 @@ class Stage2Result:
 
 
 class _StarfishSchedule:
-    """Warm-up until every buffer holds B pairs; then SecTC every T_c replayed rounds."""
+    """Warm-up while a present client's buffer holds fewer than B pairs; then SecTC every T_c
+    replayed rounds, for the present clients against their own thresholds."""
 
     def __init__(self, interval: int, thresholds: Any, result: Stage2Result) -> None:
         self.interval = interval
@@ -81,7 +91,7 @@ class _StarfishSchedule:
         self.result = result
 
     def exact_now(self, step: int, round_index: int, replay: Replay) -> bool:
-        if replay.buffers.all_full():
+        if replay.buffers.all_full(replay.present):
             return False
         self.result.warmup_steps += 1
         return True
@@ -91,10 +101,35 @@ class _StarfishSchedule:
             return []
         self.result.correction_steps.append(step)
         with replay.meter("TC"):
-            flags = check_thresholds(estimates, self.thresholds)
-        ids = [j for r, j in enumerate(replay.rest) if int(flags[r]) == 1]
+            flags = check_thresholds(estimates, self._present_thresholds(replay))
+        ids = [j for r, j in enumerate(replay.present) if int(flags[r]) == 1]
         self.result.flags[step] = list(ids)
         return ids
+
+    def _present_thresholds(self, replay: Replay) -> Any:
+        """delta^j of the present clients (rows of ``rest`` picked by public indices: local)."""
+        rows = replay.present_rows
+        if len(rows) == len(replay.rest):
+            return self.thresholds
+        return stack([self.thresholds[r] for r in rows])
+
+
+def client_thresholds(history: History, clients: Sequence[int]) -> Any:
+    """TD: delta^j = max of delta_i^j over the rounds i client j took part in, one per client.
+
+    The clients' participation differs, so each row is padded to the longest with the client's
+    own first value (the max does not change; the batched SecMax stays rectangular). Public:
+    who took part where. Full participation: the (n, T) matrix of every round, as in the paper.
+    """
+    rows = []
+    for j in clients:
+        own = [to_compute(history.delta(i, j)) for i in rounds_of(history, j)]
+        if not own:
+            raise ValueError(f"client {j} took part in no round")
+        rows.append(own)
+    width = max(len(r) for r in rows)
+    padded = [r + [r[0]] * (width - len(r)) for r in rows]
+    return determine_thresholds(stack([stack(r) for r in padded]))
 
 
 def run_stage2(
@@ -117,16 +152,19 @@ def run_stage2(
     t0 = time.perf_counter()
     targets = sorted(set(targets))
     rest = remaining_clients(history, targets)
-    T = history.num_rounds
-    require_full_participation(history, rest, "Starfish")
+    candidates = candidate_rounds(history, rest)
+    T = len(candidates)                     # |C|; = history.num_rounds under full participation
     eta = params.server_lr if params.server_lr is not None else history.server_lr
 
     with meter("TD"):
-        deltas = stack([stack([to_compute(history.delta(i, j)) for i in range(1, T + 1)]) for j in rest])
-        thresholds = determine_thresholds(deltas)
+        thresholds = client_thresholds(history, rest)
     with meter("RS"):
         selected = select(history, targets, params.num_selected(T), params)
-    result = Stage2Result(model=history.model(0), selected_rounds=list(selected))
+    stray = sorted(set(selected) - set(candidates))
+    if stray:
+        raise ValueError(f"rounds {stray} were selected but no remaining client took part in them")
+    result = Stage2Result(model=history.model(0), selected_rounds=list(selected),
+                          candidate_rounds=candidates)
 
     replay = Replay(history, rest, clients, buffer=params.buffer, server_lr=eta, meter=meter,
                     inverse=inverse)

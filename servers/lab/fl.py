@@ -93,25 +93,40 @@ def aggregate(updates: dict[int, torch.Tensor], weights: dict[int, float]) -> to
 def run_federated(participants: Sequence[Participant], initial_model: torch.Tensor,
                   rounds: int, server_lr: float, *, exclude: Iterable[int] = (),
                   history: History | None = None,
-                  progress: ProgressFn | None = None) -> History:
+                  progress: ProgressFn | None = None,
+                  participation: Sequence[Iterable[int]] | None = None) -> History:
     """Run ``rounds`` of FedAvg over all participants not in ``exclude``.
 
     Every round each participant trains on M_{i-1}; the server sets
     M_i = M_{i-1} - server_lr * sum_j w_j g_i^j and records the round. Determinism comes
     from the participants (per-(client, round) seeds), not from this loop.
+
+    ``participation``: partial participation, one collection of client ids per round (those
+    not excluded take part; the round's FedAvg weights are over them); a round left with no
+    one is refused. Default: every participant in every round.
     """
     excluded = set(exclude)
     active = sorted((p for p in participants if p.client_id not in excluded),
                     key=lambda p: p.client_id)
     if not active:
         raise ValueError("no participants left")
+    if participation is not None and len(participation) != rounds:
+        raise ValueError(f"participation names {len(participation)} rounds, expected {rounds}")
     hist = history if history is not None else InMemoryHistory(initial_model, server_lr)
     if hist.num_rounds != 0:
         raise ValueError("run_federated starts from an empty history")
-    weights = fedavg_weights({p.client_id: p.num_samples for p in active})
+    all_weights = fedavg_weights({p.client_id: p.num_samples for p in active})
     model = initial_model.detach().clone().reshape(-1)
     for i in range(1, rounds + 1):
-        ups = {p.client_id: p.train(model, i) for p in active}
+        if participation is None:
+            present, weights = active, all_weights
+        else:
+            wanted = set(participation[i - 1])
+            present = [p for p in active if p.client_id in wanted]
+            if not present:
+                raise ValueError(f"no participant takes part in round {i}")
+            weights = fedavg_weights({p.client_id: p.num_samples for p in present})
+        ups = {p.client_id: p.train(model, i) for p in present}
         g = {j: u.update for j, u in ups.items()}
         step = server_lr * aggregate(g, weights)
         model = model - step

@@ -1,7 +1,9 @@
 """The lab's plaintext histories: in RAM (Stage I of a lab run) and on disk (re-analysis).
 
 Both implement the Stage II port :class:`protocols.starfish.ports.History` on plain torch
-tensors; the secure servers implement it on shares (``servers.share_history``).
+tensors; the secure servers implement it on shares (``servers.share_history``). Both accept
+and round-trip a round without participants (an unlearning round: participants == (),
+weights == {}, its model the adopted unlearned one) and rounds of any participation.
 """
 
 from __future__ import annotations
@@ -151,14 +153,19 @@ class NpzHistory(History):
         def scalar(v: Secret) -> float:
             return float(v)
 
+        model = record.model.detach().cpu().numpy()
+        if parts:
+            updates = np.stack([np.asarray(record.updates[c]) for c in parts])
+        else:  # an unlearning round: no updates, an empty (0, m) array
+            updates = np.zeros((0, model.size), dtype=model.dtype)
         self._write_npz(
             f"round_{self._count + 1:04d}.npz",
-            model=record.model.detach().cpu().numpy(),
-            participants=np.asarray(parts, dtype=np.int64),
+            model=model,
+            participants=np.asarray(parts, dtype=np.int64).reshape(-1),
             weights=np.asarray([record.weights[c] for c in parts], dtype=np.float64),
-            updates=np.stack([np.asarray(record.updates[c]) for c in parts]),
-            norms=np.asarray([scalar(record.norms[c]) for c in parts]),
-            deltas=np.asarray([scalar(record.deltas[c]) for c in parts]),
+            updates=updates,
+            norms=np.asarray([scalar(record.norms[c]) for c in parts], dtype=np.float64),
+            deltas=np.asarray([scalar(record.deltas[c]) for c in parts], dtype=np.float64),
         )
         self._count += 1
 

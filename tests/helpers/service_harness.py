@@ -23,6 +23,17 @@ class Deployment:
         self.procs = ProcessGroup(root / "logs")
         self.env = {k: v for k, v in os.environ.items() if k != "STARFISH_CRASH_AT"}
 
+    @classmethod
+    def open_existing(cls, root: Path) -> Deployment:
+        """A deployment whose keys, config and data are already in ``root`` (e.g. a copy)."""
+        dep = cls.__new__(cls)
+        dep.root = root
+        dep.config_path = root / "config.toml"
+        dep.cfg = load_config(dep.config_path)
+        dep.procs = ProcessGroup(root / "logs")
+        dep.env = {k: v for k, v in os.environ.items() if k != "STARFISH_CRASH_AT"}
+        return dep
+
     def start(self, name: str, argv: list[str], crash_at: str | None = None):
         env = dict(self.env)
         if crash_at:

@@ -169,8 +169,15 @@ def test_a_client_cannot_unlearn_another_or_read_its_job(dep):
         assert admin.call("status")["jobs"] == jobs_before
         # client 2's own request is accepted (sent to server 0 only, so no 2PC job starts)
         assert c2.call("unlearn", job="mine-2")["state"] == "queued"
-        with pytest.raises(ServiceError) as e:
+        with pytest.raises(ServiceError) as e:     # another's job looks like no job at all
             c1.call("job_status", job="mine-2")
+        assert e.value.code == "not_found"
+        with pytest.raises(ServiceError) as e2:
+            c1.call("job_status", job="no-such-job")
+        assert e2.value.code == "not_found"
+        assert e.value.message.replace("mine-2", "X") == e2.value.message.replace("no-such-job", "X")
+        with pytest.raises(ServiceError) as e:     # only the operator cancels or re-enrols
+            c2.call("cancel_job", job="mine-2")
         assert e.value.code == "unauthorized"
         assert c2.call("job_status", job="mine-2")["targets"] == [2]
         assert admin.call("job_status", job="mine-2")["requester"] == "client-2"

@@ -69,3 +69,24 @@ def test_wire_parse_accepts_valid_and_names_the_problem():
     with pytest.raises(wire.WireError) as e:
         wire.check_reply(wire.error_reply(mid, "replay", "old nonce"), mid, 1 << 20)
     assert e.value.code == "replay"
+
+
+def test_job_messages_round_trip_and_refuse_malformed_fields():
+    from servers.job_records import JobState
+    from servers.peer_messages import AdoptJob, Confirmation, JobFail, JobReceipt, JobRow, JobStart
+
+    row = JobRow("j1", "client-3", (3,), JobState.COMPUTED, "{}", 1.5, None, 2, "ab" * 32, False)
+    assert JobRow.from_wire(row.to_wire()) == row
+    for msg in (JobStart("j1", 7, 3), AdoptJob("j1", 8, "ab" * 32), JobFail("j1", "why", JobState.CANCELLED)):
+        assert type(msg).from_wire(msg.to_wire()) == msg
+    receipt = {"job": "j1", "clients": [3], "rounds_erased": [1, 2]}
+    assert JobReceipt.from_wire(JobReceipt("j1", receipt).to_wire()).receipt == receipt
+    assert Confirmation.from_wire(Confirmation({"party": 1}).to_wire()).report == {"party": 1}
+    with pytest.raises(ValueError):
+        JobFail("j1", "why", JobState.DONE)          # only failed or cancelled
+    with pytest.raises(ValueError):
+        JobStart.from_wire({"job": "j1", "rounds": 7, "attempt": 0})
+    with pytest.raises(ValueError):
+        JobReceipt.from_wire({"job": "j1", "receipt": "[1, 2]"})   # not an object
+    with pytest.raises(ValueError):
+        JobRow.from_wire({**row.to_wire(), "has_receipt": 1})

@@ -10,6 +10,11 @@ stored update by one with the *direction of the old* update and the *norm of the
 
 Why it is a baseline: it needs no Hessian but every remaining client works in every
 calibration round, and the norms of half-epoch updates understate the original steps.
+
+Partial participation, erased clients and unlearning rounds (docs/unlearning.md): the rounds
+counted are the candidate rounds C (a remaining client took part; every round under full
+participation), every ``interval``-th of them is calibrated, and in each only the remaining
+clients that took part in it train (weights renormalised over them).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from protocols.starfish.ports import History
+from protocols.starfish.ports import History, candidate_rounds, present_clients
 
 from ..fl import Participant, ProgressFn
 from .base import ClientPool, CostRecord, RecoveryMethod, Timer, remaining_clients
@@ -53,13 +58,13 @@ class FedEraser(RecoveryMethod):
         pool = ClientPool(participants, rest)
         by_id = {p.client_id: p for p in participants}
         eta = self.server_lr if self.server_lr is not None else history.server_lr
-        rounds = list(range(1, history.num_rounds + 1, self.interval))
+        rounds = candidate_rounds(history, rest)[::self.interval]
         cost = CostRecord(self.name, history.num_rounds, selected_rounds=rounds)
         with Timer() as timer:
             m0_dtype = history.model(0).dtype
             model = history.model(0).to(torch.float64).clone()
             for step, t in enumerate(rounds, 1):
-                present = [j for j in rest if j in history.participants(t)]
+                present = present_clients(history, t, rest)
                 sizes = {j: pool.num_samples(j) for j in present}
                 total = float(sum(sizes.values()))
                 agg = torch.zeros_like(model)

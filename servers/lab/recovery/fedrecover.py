@@ -19,6 +19,14 @@ genuinely abnormal estimates only.
 Otherwise the server estimates g_hat^j = g_t^j + H^j (M_hat - M_{t-1}) with the compact
 L-BFGS product and the same replay loop as Starfish (``protocols.starfish.replay``), and
 steps M_hat <- M_hat - eta * sum_j w_j g_hat^j.
+
+Partial participation, erased clients and unlearning rounds (docs/unlearning.md): "every round"
+means every candidate round C (a remaining client took part); in each only the present
+remaining clients count (weights renormalised over them), and the schedule counts replayed
+rounds, not round indices: warm-up while fewer than ``warmup`` rounds were replayed or a
+present client's buffer is not full, a periodic correction every T_c = ceil(beta |C|) replayed
+rounds after the last warm-up round, final tuning in the last ``final_tuning`` replayed rounds.
+``cost.correction_steps`` lists replay steps (= round indices under full participation).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from typing import Any
 import torch
 
 from protocols.starfish.params import PAPER, ceil_rate
-from protocols.starfish.ports import History, require_full_participation
+from protocols.starfish.ports import History, candidate_rounds, rounds_of
 from protocols.starfish.replay import Replay
 from protocols.starfish.update_estimation import Inverse
 
@@ -49,7 +57,7 @@ def global_threshold(history: History, clients: Sequence[int], alpha: float,
                      sample: int = 2_000_000, seed: int = 0) -> float:
     """Value exceeded by a fraction ``alpha`` of all coordinates of the clients' updates."""
     pieces = []
-    n_vecs = history.num_rounds * len(clients)
+    n_vecs = sum(len(rounds_of(history, j)) for j in clients)
     m = history.model(0).numel()
     per_vec = m if m * n_vecs <= sample else max(1, sample // n_vecs)
     gen = torch.Generator().manual_seed(seed)
@@ -82,18 +90,18 @@ class _FedRecoverSchedule:
         self.abnormal_total = 0
 
     def exact_now(self, step: int, t: int, replay: Replay) -> bool:
-        in_warmup = self.warm < self.m.warmup or not replay.buffers.all_full()
-        periodic = (not in_warmup) and self.warm > 0 and (t - self.warm) % self.interval == 0
-        final = t > self.T - self.m.final_tuning
+        in_warmup = self.warm < self.m.warmup or not replay.buffers.all_full(replay.present)
+        periodic = (not in_warmup) and self.warm > 0 and (step - self.warm) % self.interval == 0
+        final = step > self.T - self.m.final_tuning
         if in_warmup:
-            self.warm = t
+            self.warm = step
         elif periodic or final:
-            self.cost.correction_steps.append(t)
+            self.cost.correction_steps.append(step)
         return in_warmup or periodic or final
 
     def rejected(self, step: int, t: int, estimates: Any, replay: Replay) -> list[int]:
         abnormal = estimates.abs().amax(dim=-1) > self.tau
-        ids = [j for k, j in enumerate(replay.rest) if bool(abnormal[k])]
+        ids = [j for k, j in enumerate(replay.present) if bool(abnormal[k])]
         self.abnormal_total += len(ids)
         return ids
 
@@ -120,18 +128,18 @@ class FedRecover(RecoveryMethod):
                 progress: ProgressFn | None = None) -> tuple[torch.Tensor, CostRecord]:
         rest = remaining_clients(history, targets)
         pool = ClientPool(participants, rest)
-        T = history.num_rounds
-        require_full_participation(history, rest, "FedRecover")
+        rounds = candidate_rounds(history, rest)
+        T = len(rounds)                     # |C|; = history.num_rounds under full participation
         eta = self.server_lr if self.server_lr is not None else history.server_lr
         tc = self.correction_period or max(1, ceil_rate(self.beta, T))
-        cost = CostRecord(self.name, T, selected_rounds=list(range(1, T + 1)))
+        cost = CostRecord(self.name, history.num_rounds, selected_rounds=list(rounds))
         with Timer() as timer:
             tau = (math.inf if self.abnormal_alpha is None
                    else global_threshold(history, rest, self.abnormal_alpha, self.tau_sample))
             replay = Replay(history, rest, PoolClients(pool), buffer=self.buffer, server_lr=eta,
                             inverse=self.inverse)
             schedule = _FedRecoverSchedule(self, T, tc, tau, cost)
-            model = replay.run(range(1, T + 1), schedule, progress)
+            model = replay.run(rounds, schedule, progress)
         cost.estimated_updates = replay.estimated_updates
         cost.wall_time_s = timer.elapsed
         cost.rounds_used = T

@@ -4,6 +4,14 @@ The gold standard every other method is measured against: it trivially contains 
 trace of the targets, and costs every remaining client all T rounds (ARP = 0).
 It reuses the Stage I coordinator, so with per-(client, round) seeds it equals a plain FL
 run that never included the targets, bit for bit.
+
+Partial participation, erased clients and unlearning rounds (docs/unlearning.md): by default the
+retraining follows the history's participation pattern restricted to the remaining clients: one
+round per candidate round C (a remaining client took part) in which exactly those remaining
+clients train (FedAvg weights over them), i.e. the FL the deadlines would have produced without
+the targets; unlearning rounds and rounds of targets only drop out. Under full participation
+that is T rounds of all remaining clients, as before. With ``rounds`` given, all remaining
+clients train in every one of those rounds (no pattern is known beyond the history).
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from protocols.starfish.ports import History
+from protocols.starfish.ports import History, candidate_rounds, present_clients
 
 from ..fl import Participant, ProgressFn, run_federated
 from .base import ClientPool, CostRecord, RecoveryMethod, Timer, remaining_clients
@@ -31,12 +39,16 @@ class Retrain(RecoveryMethod):
                 progress: ProgressFn | None = None) -> tuple[torch.Tensor, CostRecord]:
         rest = remaining_clients(history, targets)
         pool = ClientPool(participants, rest)
-        rounds = self.rounds or history.num_rounds
+        if self.rounds:
+            rounds, pattern = self.rounds, None
+        else:
+            kept = candidate_rounds(history, rest)
+            rounds, pattern = len(kept), [present_clients(history, t, rest) for t in kept]
         cost = CostRecord(self.name, history.num_rounds)
         with Timer() as timer:
             wrapped = [pool.participant(j) for j in rest]
             new_hist = run_federated(wrapped, history.model(0), rounds, history.server_lr,
-                                     progress=progress)
+                                     progress=progress, participation=pattern)
         cost.wall_time_s = timer.elapsed
         cost.rounds_used = rounds
         pool.fill(cost)

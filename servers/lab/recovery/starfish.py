@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from protocols.starfish.params import StarfishParams
-from protocols.starfish.ports import History
+from protocols.starfish.ports import History, candidate_rounds
 from protocols.starfish.round_selection import starfish_select
 from protocols.starfish.stage2 import run_stage2
 from protocols.starfish.update_estimation import Inverse
@@ -61,7 +61,8 @@ class Starfish(RecoveryMethod):
         cost.estimated_updates = res.estimated_updates
         cost.rounds_used = len(res.selected_rounds)
         cost.extra.update({"warmup_steps": res.warmup_steps,
-                           "correction_interval": self.params.correction_interval(history.num_rounds),
+                           "correction_interval": self.params.correction_interval(len(res.candidate_rounds)),
+                           "candidate_rounds": list(res.candidate_rounds),
                            "flagged_corrections": sum(len(v) for v in res.flags.values()),
                            "flags": {int(step): list(ids) for step, ids in res.flags.items()},
                            "sigma": self.params.sigma, "beta": self.params.beta,
@@ -81,6 +82,8 @@ class RandomSelection(Starfish):
 
     def select(self, history: History, targets: Sequence[int], k: int,
                params: StarfishParams | None = None) -> list[int]:
+        """k of the candidate rounds C (every round under full participation), seeded."""
         rng = np.random.default_rng(self.seed)
-        chosen = rng.choice(np.arange(1, history.num_rounds + 1), size=k, replace=False)
+        rounds = candidate_rounds(history, remaining_clients(history, targets))
+        chosen = rng.choice(np.asarray(rounds), size=k, replace=False)
         return sorted(int(c) for c in chosen)

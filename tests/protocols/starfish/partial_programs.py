@@ -1,0 +1,178 @@
+"""Histories with partial participation, erased clients and unlearning rounds, for the tests of
+Stage II on them; and the party program that runs Stage II on such a history's shares.
+
+Module-level (the party processes of the ``pair`` fixture import it by name):
+
+* :class:`ToyClient`: a client whose local update on M is the gradient of a closed-form,
+  separable, convex loss, g(M) = a * (M - c) + b * tanh(M - c) (a, c per coordinate; b >= 0:
+  not quadratic, yet Lipschitz with constant a + b, so FedAvg at step eta < 2 / (a + b) stays put),
+  times the local epochs asked for (1 by default);
+  deterministic, so the plaintext run and both server processes compute the same exact updates;
+* :func:`build_history`: FedAvg on given participation (the round's FedAvg weights from the
+  participants' sizes), with unlearning rounds (no participants, a given model) where asked;
+* :func:`split_rounds`: per round the public part and both parties' ring shares of every
+  update, norm and threshold (shares made here with a numpy generator: a test, not a privacy
+  setting: both parties receive both share sets and keep their own);
+* :func:`stage2_on_shares`: ``run_stage2`` in a party on its shares, exact updates of the toy
+  clients split as ``bench.secure_lab.SimulatedShareClients`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from mpc import encoding
+from protocols.starfish.ports import History, RoundRecord, Secret
+from servers.lab.history import InMemoryHistory
+
+
+@dataclass
+class ToyUpdate:
+    update: torch.Tensor
+    norm: float
+    delta: float
+    num_samples: int
+
+
+@dataclass
+class ToyClient:
+    """g(M) = a (M - c) + b tanh(M - c), elementwise; ``alpha``: delta is the value a fraction
+    alpha of |g| exceeds (the clients' convention); ``delta_override`` fixes it per round."""
+
+    client_id: int
+    center: np.ndarray
+    scale: np.ndarray
+    bend: float = 0.0
+    num_samples: int = 1
+    alpha: float = 0.4
+    delta_override: Mapping[int, float] | None = None
+
+    def gradient(self, model: np.ndarray) -> np.ndarray:
+        d = np.asarray(model, dtype=np.float64) - self.center
+        return self.scale * d + self.bend * np.tanh(d)
+
+    def train(self, model_vec: torch.Tensor, round_idx: int, epochs: float | None = None) -> ToyUpdate:
+        # ``epochs`` local epochs of one gradient step each (FedEraser's calibration asks for 0.5)
+        g = (1.0 if epochs is None else epochs) * self.gradient(torch.as_tensor(model_vec).double().numpy())
+        if self.delta_override is not None and round_idx in self.delta_override:
+            delta = float(self.delta_override[round_idx])
+        else:
+            delta = float(np.quantile(np.abs(g), 1.0 - self.alpha))
+        return ToyUpdate(torch.from_numpy(g), float(np.linalg.norm(g)), delta, self.num_samples)
+
+
+def build_history(clients: Sequence[ToyClient], pattern: Sequence[Sequence[int]], m0: np.ndarray,
+                  server_lr: float, unlearned: Mapping[int, np.ndarray] | None = None) -> InMemoryHistory:
+    """FL with ``pattern[t-1]`` the participants of round t; an empty entry is an unlearning round
+    whose model is ``unlearned[t]`` (FL continues from it)."""
+    by_id = {c.client_id: c for c in clients}
+    hist = InMemoryHistory(torch.from_numpy(np.asarray(m0, dtype=np.float64)), server_lr)
+    model = np.asarray(m0, dtype=np.float64)
+    for t, parts in enumerate(pattern, 1):
+        parts = tuple(sorted(parts))
+        if not parts:
+            model = np.asarray(unlearned[t], dtype=np.float64)
+            hist.append_round(RoundRecord(torch.from_numpy(model.copy()), (), {}, {}, {}, {}))
+            continue
+        total = sum(by_id[j].num_samples for j in parts)
+        weights = {j: by_id[j].num_samples / total for j in parts}
+        ups = {j: by_id[j].train(torch.from_numpy(model), t) for j in parts}
+        step = sum(weights[j] * ups[j].update.numpy() for j in parts)
+        model = model - server_lr * step
+        hist.append_round(RoundRecord(
+            torch.from_numpy(model.copy()), parts, weights, {j: ups[j].update for j in parts},
+            {j: torch.tensor(ups[j].norm, dtype=torch.float64) for j in parts},
+            {j: torch.tensor(ups[j].delta, dtype=torch.float64) for j in parts}))
+    return hist
+
+
+def _split(x: Any, gen: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    ring = encoding.encode(np.asarray(x, dtype=np.float64))
+    share0 = gen.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=ring.shape,
+                          dtype=np.int64, endpoint=True)
+    share0 = np.asarray(share0, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        return share0, np.asarray(ring - share0, dtype=np.int64)   # 0-d arrays, not numpy scalars
+
+
+def split_rounds(history: History, seed: int = 0) -> list[dict]:
+    """Per round: model, participants, weights and {client: ((up0, nm0, dl0), (up1, nm1, dl1))}."""
+    gen = np.random.default_rng(seed)
+    out = []
+    for i in range(1, history.num_rounds + 1):
+        shares = {}
+        for j in history.participants(i):
+            up = _split(torch.as_tensor(history.update(i, j)).double().numpy(), gen)
+            nm = _split(float(history.norm(i, j)), gen)
+            dl = _split(float(history.delta(i, j)), gen)
+            shares[j] = ((up[0], nm[0], dl[0]), (up[1], nm[1], dl[1]))
+        out.append({"model": history.model(i).double().numpy(), "participants": tuple(history.participants(i)),
+                    "weights": dict(history.weights(i)), "shares": shares})
+    return out
+
+
+class MemoryShareHistory(History):
+    """One party's shares of a history, in RAM, as CrypTen tensors (``wrap``)."""
+
+    def __init__(self, m0: np.ndarray, server_lr: float, rounds: list[dict], rank: int, wrap) -> None:
+        self._models = [torch.from_numpy(np.asarray(m0, dtype=np.float64))]
+        self._models += [torch.from_numpy(r["model"]) for r in rounds]
+        self._rounds = rounds
+        self._rank = rank
+        self._wrap = wrap
+        self._lr = server_lr
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self._rounds)
+
+    @property
+    def server_lr(self) -> float:
+        return self._lr
+
+    def model(self, i: int) -> torch.Tensor:
+        return self._models[i]
+
+    def participants(self, i: int) -> tuple[int, ...]:
+        return tuple(self._rounds[i - 1]["participants"])
+
+    def weights(self, i: int) -> Mapping[int, float]:
+        return self._rounds[i - 1]["weights"]
+
+    def _mine(self, i: int, j: int, k: int) -> Secret:
+        return self._wrap(self._rounds[i - 1]["shares"][j][self._rank][k])
+
+    def update(self, i: int, client: int) -> Secret:
+        return self._mine(i, client, 0)
+
+    def norm(self, i: int, client: int) -> Secret:
+        return self._mine(i, client, 1)
+
+    def delta(self, i: int, client: int) -> Secret:
+        return self._mine(i, client, 2)
+
+    def append_round(self, record: RoundRecord) -> None:
+        raise TypeError("read-only")
+
+
+def stage2_on_shares(party, m0: np.ndarray, server_lr: float, rounds: list[dict], targets: list[int],
+                     params, clients: list[ToyClient], key: bytes, hidden: Sequence[int] = ()) -> dict:
+    """``run_stage2`` on this party's shares (``hidden``: erased clients, ``without_clients``)."""
+    from bench.secure_lab import SimulatedShareClients
+    from protocols.starfish import run_stage2
+    from protocols.starfish.ports import without_clients
+
+    torch.set_num_threads(1)
+    hist: History = MemoryShareHistory(m0, server_lr, rounds, party.rank, party.wrap_share)
+    if hidden:
+        hist = without_clients(hist, hidden)
+    res = run_stage2(party, hist, targets, params, SimulatedShareClients(party, clients, key))
+    return {"model": res.model.double().numpy(), "selected_rounds": res.selected_rounds,
+            "candidate_rounds": res.candidate_rounds, "flags": res.flags,
+            "exact_requests": res.exact_requests, "warmup_steps": res.warmup_steps,
+            "estimated_updates": res.estimated_updates}

@@ -1,0 +1,156 @@
+"""kill -9 during an unlearning job, at every Stage II step and at adoption; the job still ends right.
+
+One FL history (3 clients, 8 rounds) is trained once and copied for every scenario. In each,
+client 0 asks to be forgotten and one process is SIGKILLed at a chosen moment: a server at a
+named step of Stage II (``STARFISH_CRASH_AT=job-step-<step>[:n]``, ``servers/crash_points.py``)
+or inside its adoption, the dealer or the client simulator from outside while the replay
+runs. The killed process is restarted. Then, whatever was killed:
+
+* the job is ``done`` at both servers, adopted exactly once (round 9 is the only unlearning
+  round, and its model is the job's result) and client 0 is erased once (one erasure
+  report per server, client 0 in no round);
+* the model equals the plaintext Stage II on the twin history (same selected rounds, within
+  1e-3), i.e. what an uninterrupted run computes (``test_service_e2e.py``);
+* a crash inside the run cost a run (attempts >= 2); a crash during adoption did not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from clients.simulator import build_federation
+from mpc import wire
+from protocols.starfish import run_stage2
+from servers.lab.history import NpzHistory
+from servers.share_store import ShareStore
+from servers.unlearning_jobs import starfish_params
+from starfish.service_commands import federation_spec
+from tests.helpers.service_harness import Deployment
+
+torch.set_num_threads(1)
+N, ROUNDS = 3, 8
+
+#: (process killed, how): a crash point for a server, or the job progress at which the
+#: dealer / the simulator is killed from outside.
+SCENARIOS = {
+    "server1-TD": ("server1", "job-step-TD"),
+    "server0-RS": ("server0", "job-step-RS"),
+    "dealer-replay": ("dealer", 0.3),
+    "server1-UE": ("server1", "job-step-UE:2"),
+    "server0-TC": ("server0", "job-step-TC:2"),
+    "clients-correction": ("clients", 0.3),
+    "server1-aggregate": ("server1", "job-step-aggregate:3"),
+    "server1-adoption": ("server1", "adopt-in-transaction"),
+    "server0-adoption": ("server0", "leader-after-peer-adopted"),
+}
+IN_RUN = {"server1-TD", "server0-RS", "dealer-replay", "server1-UE", "server0-TC", "server1-aggregate"}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The FL history (daemons stopped) and its plaintext twin's Stage II of client 0."""
+    root = tmp_path_factory.mktemp("trained")
+    dep = Deployment(root, clients=N, overrides={"fl": {"rounds": ROUNDS},
+                                                 "unlearning": {"correction_timeout": 120.0}})
+    try:
+        dep.start("dealer", ["dealer"])
+        dep.start_server(1)
+        dep.start_server(0)
+        dep.wait_ready()
+        sim = dep.start("clients", ["clients", "--n", str(N), "--twin-dir", str(root / "twin"),
+                                    "--summary", str(root / "summary.json"), "--max-seconds", "200"])
+        assert sim.wait(240) == 0, dep.log("clients")
+    finally:
+        dep.close()
+    args = argparse.Namespace(dataset=None, data_dir=None, n=N, seed=None, backdoor=None,
+                              epochs=None, lr=None, train_limit=None)
+    fed = build_federation(federation_spec(dep.cfg, args))
+
+    class Plain:
+        def exact_updates(self, r, model, ids):
+            return {j: fed.clients[j].train(model, r).update.to(torch.float64) for j in ids}
+
+    plain = run_stage2(None, NpzHistory(root / "twin"), [0], starfish_params(dep.cfg), Plain())
+    return root, plain
+
+
+def _copy(trained_root: Path, dest: Path) -> Deployment:
+    shutil.copytree(trained_root, dest, ignore=shutil.ignore_patterns("logs", "twin", "ready.json"))
+    return Deployment.open_existing(dest)
+
+
+def _progress(dep: Deployment) -> float:
+    try:
+        with dep.client("admin", 0, connect_timeout=1.0) as c:
+            jobs = c.call("status")["jobs"]
+    except Exception:  # noqa: BLE001 - a server restarting: no progress to report
+        return 0.0
+    return max((j["progress"] for j in jobs if j["state"] == "running"), default=0.0)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_a_killed_process_does_not_change_the_result(trained, tmp_path, name):
+    root, plain = trained
+    victim, how = SCENARIOS[name]
+    dep = _copy(root, tmp_path / "dep")
+    crash = how if isinstance(how, str) else None
+    try:
+        dep.start("dealer", ["dealer"])
+        dep.start_server(1, crash if victim == "server1" else None)
+        dep.start_server(0, crash if victim == "server0" else None)
+        dep.wait_ready()
+        sim_args = ["clients", "--n", str(N), "--unlearn", "0", "--summary", str(dep.root / "summary.json"),
+                    "--max-seconds", "400"]
+        dep.start("clients", sim_args)
+        proc = dep.procs.procs[victim]
+        deadline = time.monotonic() + 300
+        if crash is None:   # kill from outside once the replay is under way
+            while _progress(dep) < how:
+                assert time.monotonic() < deadline, dep.log("server0")
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGKILL)
+        assert proc.wait(max(1.0, deadline - time.monotonic())) == -signal.SIGKILL, dep.log(victim)
+        if victim == "clients":
+            dep.start("clients", sim_args)
+        elif victim == "dealer":
+            dep.start("dealer", ["dealer"])
+        else:
+            dep.start_server(int(victim[-1]))
+            dep.wait_ready()
+        sim = dep.procs.procs["clients"]
+        assert sim.wait(max(1.0, deadline - time.monotonic())) == 0, (
+            dep.log("clients") + dep.log("server0") + dep.log("server1"))
+        summary = json.loads((dep.root / "summary.json").read_text())
+        (job,) = summary["jobs"]
+        recs = []
+        for p in (0, 1):
+            with dep.client("admin", p) as c:
+                recs.append(c.call("job_status", job=job, with_model=True))
+    finally:
+        dep.close()
+    assert [r["state"] for r in recs] == ["done", "done"], recs
+    model = wire.decode_tensor(recs[0]["model"], "model", ("<f8",), tuple(recs[0]["model"]["shape"]))
+    res = recs[0]["result"]
+    assert res["selected_rounds"] == plain.selected_rounds
+    assert np.abs(model - plain.model.numpy()).max() < 1e-3
+    attempts = max(r["attempts"] for r in recs)
+    assert attempts >= 2 if name in IN_RUN else attempts >= 1
+    for p in (0, 1):
+        with ShareStore(dep.cfg.data_dir(p) / "store", party=p) as st:
+            assert st.num_rounds == ROUNDS + 1 and st.fl_rounds == ROUNDS and st.verify() == []
+            kinds = [st.round_kind(i) for i in range(1, ROUNDS + 2)]
+            assert kinds == ["fl"] * ROUNDS + ["unlearning"]
+            assert np.array_equal(st.model(ROUNDS + 1), model)
+            assert all(0 not in st.participants(i) for i in range(1, ROUNDS + 1))
+            assert list(st.forgotten()) == [0]
+            report = st.erasure(job)
+            assert report is not None and list(report.rounds) == list(range(1, ROUNDS + 1))
