@@ -4,7 +4,7 @@ The life of two requests with FL in between: 4 FL rounds; client 0 asks to be fo
 the servers unlearn it in 2PC, adopt the model as round 5 and erase client 0; FL goes on
 from it (rounds 6, 7); client 1 asks; the second job reads the history the first one left
 (client 0 erased, round 5 an unlearning round), is adopted as round 8 and erases client 1;
-FL goes on (rounds 9, 10). Oracles: plaintext FedAvg of the clients' updates for every FL
+FL goes on (rounds 9, 10). Two strangers connect to server 1's mpc port first. Oracles: plaintext FedAvg of the clients' updates for every FL
 round; the plaintext Stage II on the twin history for each job (same selected rounds and
 flags, model within 1e-3); bytes of the forgotten clients' shares, recomputed from their
 keys, nowhere under either data directory (while a remaining client's are found).
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import subprocess
 import sys
 
@@ -45,6 +46,11 @@ def run(tmp_path_factory):
         dep.start_server(1)
         dep.start_server(0)
         dep.wait_ready()
+        # strangers on server 1's mpc port: one closed at once, one left open and silent; the
+        # jobs' sessions must find their peer anyway (they used to fail with HandshakeError)
+        mpc = dep.cfg.server1.mpc().address
+        socket.create_connection(mpc, timeout=5).close()
+        silent = socket.create_connection(mpc, timeout=5)
         clients = dep.start("clients", ["clients", "--n", str(N), "--backdoor", "0",
                                         "--unlearn", f"0@{A_AT},1@{B_AT}",
                                         "--twin-dir", str(dep.root / "twin"),
@@ -63,6 +69,7 @@ def run(tmp_path_factory):
                                  str(dep.config_path), "--job", jobs[0], "--save-model",
                                  str(dep.root / "unlearned.npy")], capture_output=True, text=True,
                                 timeout=60)
+        silent.close()
     finally:
         dep.close()   # SIGTERM: the daemons close their stores, which the tests then open
     yield dep, summary, jobs, results, status

@@ -184,6 +184,12 @@ def test_a_client_cannot_unlearn_another_or_read_its_job(dep):
         with pytest.raises(ServiceError) as e:     # the same job id with another request
             admin.call("unlearn", job="mine-2", targets=[2])
         assert e.value.code == "conflict"
+        with pytest.raises(ServiceError) as e:     # FL waits while a job is pending
+            c2.call("upload", round=2, num_samples=1, **_valid_upload(c2.call("state")["dim"], 0))
+        assert e.value.code == "paused" and c2.call("state")["paused"] is True
+        assert admin.call("cancel_job", job="mine-2")["state"] == "cancelled"
+        assert c2.call("job_status", job="mine-2")["state"] == "cancelled"
+        assert c2.call("state")["paused"] is False
 
 
 def test_connections_without_a_valid_certificate_are_refused_at_the_tls_layer(dep, tmp_path):
