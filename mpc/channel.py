@@ -6,14 +6,21 @@ Design (docs/design.md 4.2):
   need a reader thread so that two parties sending large tensors to each other at the
   same time cannot deadlock on full socket buffers. A lock serialises the (CPU-only)
   encrypt/decrypt calls; socket I/O happens outside it.
-- Frames are ``kind (1 byte) | length (8 bytes, little endian) | payload``. Tensor
-  payloads are written from and read into the tensor's own memory (no pickling).
-- Link emulation (no ``tc netem`` here), applied by the receiver as a FIFO link so the real
-  transfer overlaps the emulated one: a frame whose first bytes arrived at t is handed over
-  at max(t, link free) + bytes/bandwidth + latency, and never before it really arrived.
+- Frames are ``kind (1 byte) | length (8 bytes, little endian) | payload``
+  (``mpc.frames``). Tensor payloads are written from the tensor's own memory (no pickling)
+  and decrypted straight into the receive buffer, which grows with what arrives instead of
+  trusting the declared length (``FrameAssembler``); a port may bound what its channels
+  buffer in total (``BufferBudget``).
+- Link emulation (``mpc.link``), applied by the receiver as a FIFO link so the real transfer
+  overlaps the emulated one.
 - Failure: a closed or reset connection is reported as ``PeerDisconnected`` at once; a
   silent peer as ``PeerTimeout`` after ``timeout`` seconds. Nothing waits forever. An idle
-  side polls ``peer_closed``.
+  side polls ``peer_closed``. A dead reader keeps no reference to a partial frame (the
+  exception it stores carries no traceback), so the memory is freed at once, not by the
+  cycle collector.
+- Re-exported for existing imports: the errors (``mpc.channel_errors``), ``LinkProfile``
+  (``mpc.link``), ``accept_loop`` and ``listen`` (``mpc.listening``; a port's caps:
+  ``mpc.admission``).
 """
 
 from __future__ import annotations
@@ -21,63 +28,30 @@ from __future__ import annotations
 import queue
 import socket
 import ssl
-import struct
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from . import tls
+from .channel_errors import (ChannelError, HandshakeError, PeerDisconnected, PeerTimeout,
+                             ProtocolError)
+from .frames import (HEADER, HEADER_BYTES, KIND_HELLO, KIND_OBJECT, KIND_TENSOR, KIND_TICKET,
+                     MAX_FRAME, BufferBudget, FrameAssembler, FrameRefused)
+from .inbox import Ended, Inbox
+from .link import NO_LINK, LinkClock, LinkProfile
+from .listening import accept_loop, listen
 from .metering import Meter
 
-_HEADER = struct.Struct("<BQ")
-HEADER_BYTES = _HEADER.size
-KIND_TENSOR = 1
-KIND_OBJECT = 2
-KIND_HELLO = 3
-KIND_TICKET = 4  # session matching (mpc.peer_accept)
-_CHUNK = 1 << 20
+__all__ = ["HEADER_BYTES", "KIND_TENSOR", "KIND_OBJECT", "KIND_HELLO", "KIND_TICKET", "MAX_FRAME",
+           "DEFAULT_TIMEOUT", "ChannelError", "PeerDisconnected", "PeerTimeout", "HandshakeError",
+           "ProtocolError", "LinkProfile", "NO_LINK", "Channel", "accept_loop", "listen"]
+
+_CHUNK = 1 << 20  # bytes encrypted per lock hold when sending
+# The reader's receive buffer: small while frames are small (one per connection, and a server
+# holds hundreds), 1 MiB while a large payload streams in (fewer system calls per megabyte).
+_RAW_SMALL = 64 << 10
+_RAW_LARGE = 1 << 20
 DEFAULT_TIMEOUT = 120.0
-MAX_FRAME = 1 << 36  # default per-frame bound (64 GiB): a corrupt length cannot allocate wildly
-
-
-class ChannelError(ConnectionError):
-    """Base class of transport failures."""
-
-
-class PeerDisconnected(ChannelError):
-    """The peer closed the connection or its process died."""
-
-
-class PeerTimeout(ChannelError, TimeoutError):
-    """The peer sent nothing within the timeout."""
-
-
-class HandshakeError(ChannelError):
-    """TLS or identity verification failed; the connection was not established."""
-
-
-class ProtocolError(ChannelError):
-    """The peer sent a frame we did not expect (kind or size)."""
-
-
-@dataclass(frozen=True)
-class LinkProfile:
-    """Emulated link: one-way latency in seconds, bandwidth in bits per second (0 = unlimited)."""
-
-    latency: float = 0.0
-    bandwidth_bps: float = 0.0
-
-    def transfer_time(self, nbytes: int) -> float:
-        return nbytes * 8.0 / self.bandwidth_bps if self.bandwidth_bps > 0 else 0.0
-
-
-NO_LINK = LinkProfile()
-
-
-class _Closed:
-    def __init__(self, cause: BaseException | None):
-        self.cause = cause
 
 
 class Channel:
@@ -96,9 +70,10 @@ class Channel:
         timeout: float,
         label: str,
         max_frame: int = MAX_FRAME,
+        budget: BufferBudget | None = None,
     ):
         self.kind = kind
-        self.max_frame = max_frame
+        self._asm = FrameAssembler(max_frame, budget=budget)
         self.meter = meter
         self.link = link
         self.timeout = timeout
@@ -112,15 +87,23 @@ class Channel:
         self._out = outgoing
         self._ssl_lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._frames: queue.Queue = queue.Queue()
-        self._closed: _Closed | None = None
+        self._inbox = Inbox(self._asm.release)
+        self._closed: Ended | None = None
         self._reader_stopped = threading.Event()
         self._round_open = False
         self._round_epoch = -1
-        self._rx_link_free = 0.0
+        self._rx_link = LinkClock()
         self.wire_sent = 0
         self.wire_received = 0
         self._reader: threading.Thread | None = None
+
+    @property
+    def max_frame(self) -> int:
+        return self._asm.max_frame
+
+    @max_frame.setter
+    def max_frame(self, value: int) -> None:
+        self._asm.max_frame = value  # read by the reader at each header: may change in flight
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -137,6 +120,7 @@ class Channel:
         connect_timeout: float = 30.0,
         max_frame: int = MAX_FRAME,
         handshake_timeout: float | None = None,
+        budget: BufferBudget | None = None,
     ) -> "Channel":
         """Connect to ``address`` and require the server to prove identity ``expected_peer``.
         ``connect_timeout`` bounds TCP and TLS; ``handshake_timeout`` the hello (default ``timeout``)."""
@@ -152,7 +136,7 @@ class Channel:
         inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
         sslobj = ctx.wrap_bio(inc, out, server_side=False, server_hostname=expected_peer)
         ch = cls(sock, sslobj, inc, out, kind=kind, meter=meter, link=link, timeout=timeout,
-                 label=f"{kind} channel to {expected_peer}", max_frame=max_frame)
+                 label=f"{kind} channel to {expected_peer}", max_frame=max_frame, budget=budget)
         ch._establish(lambda name: name == expected_peer, expected_peer, handshake_timeout or timeout)
         return ch
 
@@ -181,15 +165,18 @@ class Channel:
         timeout: float = DEFAULT_TIMEOUT,
         max_frame: int = MAX_FRAME,
         handshake_timeout: float | None = None,
+        budget: BufferBudget | None = None,
     ) -> "Channel":
         """Run the server side of the handshake on a socket an accept loop already took;
-        ``handshake_timeout`` (default ``timeout``) bounds each wait of TLS and the hello."""
+        ``handshake_timeout`` (default ``timeout``) bounds each wait of TLS and the hello (the
+        whole handshake's deadline is the accept loop's, ``mpc.admission``). ``budget``: the
+        port's bound on bytes buffered by frames in flight, keyed by the peer's identity."""
         check = (lambda n: n == allowed_peer) if isinstance(allowed_peer, str) else allowed_peer
         sock.settimeout(handshake_timeout or timeout)
         inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
         sslobj = ctx.wrap_bio(inc, out, server_side=True)
         ch = cls(sock, sslobj, inc, out, kind=kind, meter=meter, link=link, timeout=timeout,
-                 label=f"{kind} channel (accepted)", max_frame=max_frame)
+                 label=f"{kind} channel (accepted)", max_frame=max_frame, budget=budget)
         ch._establish(check, str(allowed_peer) if isinstance(allowed_peer, str) else "an allowed peer",
                       handshake_timeout or timeout)
         return ch
@@ -206,6 +193,7 @@ class Channel:
             self._send_sock.close()
             raise HandshakeError(f"{self.label}: TLS handshake failed: {exc}") from exc
         self.peer = name
+        self._asm.key = name  # the budget is kept per identity
         self.label = f"{self.kind} channel to {name}"
         self._sock.settimeout(None)
         self._reader = threading.Thread(target=self._read_loop, name=self.label, daemon=True)
@@ -260,7 +248,7 @@ class Channel:
         length = sum(v.nbytes for v in views)
         self._check_open()
         with self._send_lock:
-            self._write(memoryview(_HEADER.pack(kind, length)))
+            self._write(memoryview(HEADER.pack(kind, length)))
             for v in views:
                 for off in range(0, v.nbytes, _CHUNK):
                     self._write(v[off : off + _CHUNK])
@@ -280,78 +268,74 @@ class Channel:
         except socket.timeout as exc:
             raise PeerTimeout(f"{self.label}: peer did not take our data within {self.timeout:.0f}s") from exc
         except OSError as exc:
-            self._closed = self._closed or _Closed(exc)
+            # a fresh error: ``exc``'s traceback would pin this frame and the data being sent
+            self._closed = self._closed or Ended(PeerDisconnected(f"connection lost while sending: {exc}"))
             raise PeerDisconnected(f"{self.label}: connection lost while sending: {exc}") from exc
         self.wire_sent += len(data)
         self._meter_wire(sent=len(data))
 
     # --------------------------------------------------------------------- receiving
     def _read_loop(self) -> None:
-        header = bytearray(HEADER_BYTES)
-        payload: bytearray | None = None
-        view = memoryview(header)
-        filled = 0
-        raw = bytearray(_CHUNK)
+        asm = self._asm
+        raw = bytearray(_RAW_SMALL)
         raw_view = memoryview(raw)
+        # The handshake's last recv may have brought the peer's first records (its hello) too:
+        # decrypt those before waiting for more, or a peer that then waits for us waits forever.
+        leftover = True
         try:
             while True:
-                n = self._sock.recv_into(raw)
-                if n == 0:
-                    raise PeerDisconnected("peer closed the connection")
-                self.wire_received += n
-                self._meter_wire(received=n)
-                flush = False
+                if not leftover:
+                    n = self._sock.recv_into(raw)
+                    if n == 0:
+                        raise PeerDisconnected("peer closed the connection")
+                    self.wire_received += n
+                    self._meter_wire(received=n)
                 with self._ssl_lock:
-                    self._in.write(raw_view[:n])
+                    if not leftover:
+                        self._in.write(raw_view[:n])
+                    leftover = False
                     while True:
-                        if filled == len(view) and payload is None:
-                            first_byte_at = time.monotonic()
-                            kind, length = _HEADER.unpack(header)
-                            if length > self.max_frame:
-                                raise ProtocolError(f"frame of {length} bytes exceeds the limit "
-                                                    f"of {self.max_frame} bytes")
-                            payload = bytearray(length)
-                            view, filled = memoryview(payload), 0
-                        if payload is not None and filled == len(view):
-                            self._frames.put((kind, payload, first_byte_at, time.monotonic()))
-                            payload, view, filled = None, memoryview(header), 0
-                            continue
+                        dest = asm.space()
                         try:
-                            got = self._ssl.read(len(view) - filled, view[filled:])
+                            got = self._ssl.read(len(dest), dest)
                         except ssl.SSLWantReadError:
                             break
+                        finally:
+                            dest.release()  # the payload may have to grow: no export may remain
                         if got == 0:
                             raise PeerDisconnected("peer closed the TLS session")
-                        filled += got
+                        frame = asm.advance(got)
+                        if frame is not None:
+                            self._inbox.put(*frame)
+                            del frame  # the consumer owns it now
                     flush = self._out.pending > 0
+                if len(raw) < _RAW_LARGE and asm.remaining() > _RAW_SMALL:
+                    raw = bytearray(_RAW_LARGE)  # a large payload is streaming in
+                    raw_view = memoryview(raw)
                 if flush:  # e.g. a TLS key update the peer asked us to answer
                     with self._send_lock, self._ssl_lock:
                         data = self._out.read()
                     if data:
                         self._send_sock.sendall(data)
         except BaseException as exc:  # noqa: BLE001 - any failure ends the channel
+            asm.discard()  # the partial payload goes now, with its budget
+            cause = ProtocolError(str(exc)) if isinstance(exc, FrameRefused) else exc
             self._reader_stopped.set()
-            self._frames.put(_Closed(exc))
+            self._inbox.end(cause)
 
     def _next_frame(self) -> tuple[int, bytearray]:
         try:
-            item = self._frames.get(timeout=self.timeout)
+            item = self._inbox.take(self.timeout)
         except queue.Empty:
             raise PeerTimeout(f"{self.label}: no message from the peer within {self.timeout:.0f}s") from None
-        if isinstance(item, _Closed):
+        if isinstance(item, Ended):
             self._closed = item
-            self._frames.put(item)  # later receives fail fast too
             cause = item.cause
             if isinstance(cause, ChannelError):
                 raise type(cause)(f"{self.label}: {cause}") from cause
             raise PeerDisconnected(f"{self.label}: connection lost: {cause!r}") from cause
         kind, payload, first_byte_at, arrived = item
-        if self.link.latency > 0 or self.link.bandwidth_bps > 0:
-            done = max(first_byte_at, self._rx_link_free) + self.link.transfer_time(len(payload) + HEADER_BYTES)
-            self._rx_link_free = done
-            wait = max(done, arrived) + self.link.latency - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)
+        self._rx_link.deliver(self.link, len(payload) + HEADER_BYTES, first_byte_at, arrived)
         return kind, payload
 
     def recv_frame(self, expected_kind: int, expected_bytes: int | None = None) -> bytearray:
@@ -384,38 +368,5 @@ class Channel:
             except OSError:
                 pass
             s.close()
+        self._inbox.close()  # frames nobody will take give their budget back
 
-
-def accept_loop(
-    listener: socket.socket,
-    handle: Callable[[socket.socket], None],
-    stop: threading.Event,
-    *,
-    name: str = "connection",
-    admit: Callable[[], bool] = lambda: True,
-    poll: float = 0.2,
-) -> None:
-    """Accept connections until ``stop`` is set or the listener closes; each accepted socket is
-    handled on its own daemon thread (TLS is set up there, so a slow client blocks no one).
-    ``admit`` may refuse a connection (e.g. too many open); the socket is then closed."""
-    listener.settimeout(poll)
-    while not stop.is_set():
-        try:
-            sock, _ = listener.accept()
-        except socket.timeout:
-            continue
-        except OSError:
-            break
-        if not admit():
-            sock.close()
-            continue
-        threading.Thread(target=handle, args=(sock,), name=name, daemon=True).start()
-
-
-def listen(host: str = "127.0.0.1", port: int = 0, backlog: int = 8) -> socket.socket:
-    """A listening TCP socket; port 0 picks a free port (read it from getsockname())."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((host, port))
-    s.listen(backlog)
-    return s

@@ -14,6 +14,11 @@ Protocol (msgpack control frames over mutually authenticated TLS; see
 3. ``{"op": "bye"}`` ends the session.
 
 The dealer never receives data: requests are sizes and op names only.
+
+Admission (``mpc.admission``): only ``server0`` and ``server1`` have any business here, so the
+caps are tiny (``DEALER_CAPS``): a few handshakes at once, each cut off after
+``handshake_timeout`` (5 s; it used to be the 3,600 s request timeout), a few connections
+per server. A server over its cap gets ``{"op": "error"}`` with the reason.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import numpy as np
 import torch
 
 from . import correlations, tls
+from .admission import Admission, Refused, refuse
 from .channel import KIND_OBJECT, KIND_TENSOR, Channel, ChannelError, accept_loop, listen
 from .prg import new_seed
 from .wire import pack, unpack_bounded
@@ -46,6 +52,9 @@ def unpack(buf: bytes) -> dict:
 
 
 SESSION_TTL = 24 * 3600.0  # a session whose party 1 never finished is forgotten after this
+#: Two legitimate identities, one session per job (a failed attempt may briefly leave a second):
+#: a handful of handshakes and connections is plenty, and bounds the threads a flood can cost.
+DEALER_CAPS = {"max_handshakes": 8, "max_connections": 8, "max_per_identity": 4}
 
 
 @dataclass
@@ -59,10 +68,15 @@ class DealerServer:
     """Serves any number of concurrent two-party sessions, one thread per connection."""
 
     def __init__(self, ident: tls.Identity, host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0,
-                 max_frame: int | None = None):
+                 max_frame: int | None = None, *, handshake_timeout: float = 5.0,
+                 max_buffered: int | None = None, max_buffered_per_identity: int | None = None):
+        """``timeout``: how long an authenticated server may stay silent between requests;
+        ``handshake_timeout``: how long anyone may take for TLS and the hello."""
         self._ctx = tls.server_context(ident)
         self._max_frame = max_frame
-        self._listener = listen(host, port)
+        self.admission = Admission("dealer", handshake_timeout=handshake_timeout, max_buffered=max_buffered,
+                                   max_buffered_per_identity=max_buffered_per_identity, **DEALER_CAPS)
+        self._listener = listen(host, port, backlog=128)  # a burst of strangers must not fill it
         self._timeout = timeout
         self._sessions: dict[bytes, _Session] = {}
         self._lock = threading.Lock()
@@ -73,7 +87,8 @@ class DealerServer:
         return self._listener.getsockname()[:2]
 
     def serve_forever(self) -> None:
-        accept_loop(self._listener, self._serve_connection, self._stop, name="dealer-session")
+        accept_loop(self._listener, self._serve_connection, self._stop, name="dealer-session",
+                    admission=self.admission)
 
     def stop(self) -> None:
         self._stop.set()
@@ -82,10 +97,16 @@ class DealerServer:
     def _serve_connection(self, sock: socket.socket) -> None:
         limit = {} if self._max_frame is None else {"max_frame": self._max_frame}
         try:
-            ch = Channel.wrap_accepted(sock, self._ctx, lambda n: n in tls.PARTY_NAMES,
-                                       kind="offline", timeout=self._timeout, **limit)
+            ch = Channel.wrap_accepted(sock, self._ctx, lambda n: n in tls.PARTY_NAMES, kind="offline",
+                                       timeout=self._timeout, **limit, **self.admission.channel_options())
         except ChannelError as exc:
-            log.warning("refused a dealer connection: %s", exc)
+            log.info("refused a dealer connection: %s", exc)  # anyone can cause this: not a warning
+            return
+        try:
+            slot = self.admission.connection(sock, ch.peer)
+        except Refused as exc:
+            log.warning("refused a dealer connection of %s: %s", ch.peer, exc)
+            refuse(ch, pack({"op": "error", "message": str(exc)}), wait=self.admission.handshake_timeout)
             return
         try:
             self._serve(ch)
@@ -97,6 +118,7 @@ class DealerServer:
                 pass
         finally:
             ch.close()
+            slot.close()
 
     def _serve(self, ch: Channel) -> None:
         hello = unpack(ch.recv_frame(KIND_OBJECT))

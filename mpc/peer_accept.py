@@ -9,7 +9,10 @@ step for every later session. Instead:
   thread, under a short deadline (``HANDSHAKE_TIMEOUT``, never past the overall one): TLS with
   party 0's certificate name, the hello frames, then the session's *ticket* as the first
   frame. The first connection that passes gets a short ack; everything else is closed and
-  logged at INFO. Vetting in parallel means a silent stray delays no one.
+  logged at INFO. Vetting in parallel means a silent stray delays no one. At most
+  ``MAX_VETTING`` are vetted at once (``mpc.admission``): a newcomer beyond that pushes out the
+  *oldest* one, so a flood of idle sockets cannot keep party 0 out (closing newcomers instead
+  would let 64 sockets renewed every 5 s do exactly that).
 - Party 0 (``connect_peer``) sends the ticket and waits for the ack (``ACK_TIMEOUT``); on a
   refusal, a close or a timeout it reconnects until its own deadline. A certificate that
   fails verification is not retried: it is a deployment error, not a race.
@@ -29,6 +32,7 @@ import ssl
 import threading
 import time
 
+from .admission import Admission
 from .channel import (HEADER_BYTES, KIND_TICKET, MAX_FRAME, NO_LINK, Channel, ChannelError,
                       HandshakeError, LinkProfile, PeerTimeout, ProtocolError)
 from .metering import Meter
@@ -39,7 +43,7 @@ HANDSHAKE_TIMEOUT = 5.0  # party 1, per accepted connection: TLS, hello and tick
 ATTEMPT_TIMEOUT = 15.0
 ACK_TIMEOUT = 5.0  # party 0 waits this long for the ack after sending its ticket
 MAX_TICKET = 1024
-MAX_VETTING = 64  # connections vetted at once; a flood beyond it is closed unread (party 0 retries)
+MAX_VETTING = 64  # connections vetted at once; beyond it the oldest is dropped (party 0 retries)
 _ACK = b"starfish/ticket-ok"
 _RETRY_PAUSE = 0.2  # between party 0's attempts: a refusal is instant, do not spin
 
@@ -70,40 +74,23 @@ def _adopt(ch: Channel, meter: Meter | None, *, sent: int = 0, received: int = 0
 
 
 class _Vetting:
-    """Connections being vetted by party 1, and the one that won."""
+    """Party 1's vetting: the pool of connections being vetted, and the one that won."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
         self.lock = threading.Lock()
-        self.pending: dict[socket.socket, float] = {}  # socket -> its vetting deadline
-        self.claimed = False
+        # one session: a single connection of the single identity may pass
+        self.pool = Admission(f"{kind} session", max_handshakes=MAX_VETTING,
+                              handshake_timeout=HANDSHAKE_TIMEOUT, max_connections=1, max_per_identity=1)
         self.done = False
         self.winner: Channel | None = None
         self.wake_r, self.wake_w = socket.socketpair()
 
-    def expire(self, now: float) -> float | None:
-        """Cut off connections past their deadline; returns the next deadline, if any."""
-        with self.lock:
-            for sock, until in list(self.pending.items()):
-                if until <= now:
-                    del self.pending[sock]
-                    _shutdown(sock)
-            return min(self.pending.values(), default=None)
-
     def finish(self) -> None:
         with self.lock:
             self.done = True
-            for sock in self.pending:
-                _shutdown(sock)  # strays still vetting; their threads clean up and exit
-            self.pending.clear()
+        self.pool.drop_pending()  # strays still vetting; their threads clean up and exit
         self.wake_r.close()
         self.wake_w.close()
-
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)  # wakes the vetting thread blocked on this socket
-    except OSError:
-        pass
 
 
 def accept_peer(listener: socket.socket, ctx: ssl.SSLContext, peer_name: str, ticket: bytes, *,
@@ -112,7 +99,7 @@ def accept_peer(listener: socket.socket, ctx: ssl.SSLContext, peer_name: str, ti
     """Party 1's side: the first connection on ``listener`` that authenticates as ``peer_name``
     and presents ``ticket``, within ``timeout`` seconds; see the module docstring."""
     deadline = time.monotonic() + timeout
-    state = _Vetting()
+    state = _Vetting(kind)
     previous = listener.gettimeout()
     listener.setblocking(False)
     sel = selectors.DefaultSelector()  # not select(): a server may hold fds above 1024
@@ -131,17 +118,16 @@ def accept_peer(listener: socket.socket, ctx: ssl.SSLContext, peer_name: str, ti
             if not hmac.compare_digest(got, ticket):
                 raise ProtocolError(f"ticket {got[:64]!r} is not this session's")
             with state.lock:
-                if state.done or state.claimed or sock not in state.pending:
-                    raise ProtocolError("the session is already taken or this connection timed out")
-                del state.pending[sock]
-                state.claimed = True
+                if state.done:
+                    raise ProtocolError("accepting has ended")
+                # Refused if another connection claimed the session or this one timed out
+                claim = state.pool.connection(sock, peer_name)
             ch.max_frame = max_frame  # safe: party 0 sends nothing more before our ack
             _adopt(ch, meter, received=len(got))
             try:
                 ch.send_frame(KIND_TICKET, _ACK)
             except ChannelError:
-                with state.lock:
-                    state.claimed = False
+                claim.close()  # the session is free again for another connection
                 raise
             ch.timeout = timeout
             with state.lock:
@@ -151,8 +137,7 @@ def accept_peer(listener: socket.socket, ctx: ssl.SSLContext, peer_name: str, ti
         except (ChannelError, OSError) as exc:
             log.info("%s port: dropped a connection from %s:%s: %s", kind, addr[0], addr[1], exc)
         finally:
-            with state.lock:
-                state.pending.pop(sock, None)
+            state.pool.release(sock)
             if ch is not None:
                 ch.close()
             elif not won:
@@ -161,7 +146,7 @@ def accept_peer(listener: socket.socket, ctx: ssl.SSLContext, peer_name: str, ti
     try:
         while True:
             now = time.monotonic()
-            next_cut = state.expire(now)
+            next_cut = state.pool.expire(now)
             with state.lock:
                 if state.winner is not None:
                     return state.winner
@@ -177,15 +162,7 @@ def accept_peer(listener: socket.socket, ctx: ssl.SSLContext, peer_name: str, ti
                 except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                     continue
                 until = min(time.monotonic() + HANDSHAKE_TIMEOUT, deadline)
-                with state.lock:
-                    crowded = len(state.pending) >= MAX_VETTING
-                    if not crowded:
-                        state.pending[sock] = until
-                if crowded:
-                    log.info("%s port: %d connections already being vetted, closed one from %s:%s",
-                             kind, MAX_VETTING, addr[0], addr[1])
-                    sock.close()
-                    continue
+                state.pool.offer(sock, deadline=until)  # a full pool drops its oldest
                 threading.Thread(target=vet, args=(sock, addr, max(until - time.monotonic(), 0.01)),
                                  name=f"vet {addr[0]}:{addr[1]}", daemon=True).start()
     finally:

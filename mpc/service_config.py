@@ -120,11 +120,22 @@ class UnlearningSection:
 
 @dataclass(frozen=True)
 class LimitsSection:
+    """What one client (or a stranger) can make a server or the dealer hold; docs/service.md,
+    "Limits and abuse", says what a peer sees when it reaches each."""
+
     max_message_bytes: int = 64 << 20   # a client message above this gets a "too_large" reply
     max_frame_bytes: int = 1 << 30      # hard per-frame cap of this process's TLS channels
-    max_connections: int = 256          # concurrent client-API connections per server
+    max_connections: int = 256          # concurrent authenticated client-API connections per server
     idle_timeout: float = 120.0         # a client connection silent this long is closed
     peer_timeout: float = 120.0         # control-link request timeout between the servers
+    # Before TLS proves who connected, a connection may only use a small, separate pool for a
+    # short time: counted with the authenticated ones, idle sockets locked everyone out (issue 14).
+    handshake_timeout: float = 5.0      # seconds for TLS + hello, whatever the peer sends
+    max_handshakes: int = 64            # unauthenticated connections at once; the oldest is dropped
+    max_connections_per_identity: int = 4   # authenticated connections of one certificate name
+    # Bytes held by frames being received or waiting for their handler, per port.
+    max_buffered_bytes: int = 2 << 30   # all connections of one client API (or of the dealer)
+    max_buffered_per_identity: int = 1 << 30  # one certificate name's connections
 
 
 @dataclass(frozen=True)
@@ -221,7 +232,14 @@ def _check(cfg: ServiceConfig) -> None:
     need(1024 <= lim.max_message_bytes <= lim.max_frame_bytes,
          "[limits] need 1024 <= max_message_bytes <= max_frame_bytes")
     need(lim.max_connections >= 1, "[limits] max_connections must be >= 1")
-    need(lim.idle_timeout > 0 and lim.peer_timeout > 0, "[limits] timeouts must be > 0")
+    need(lim.idle_timeout > 0 and lim.peer_timeout > 0 and lim.handshake_timeout > 0,
+         "[limits] timeouts must be > 0")
+    need(lim.max_handshakes >= 1, "[limits] max_handshakes must be >= 1")
+    need(1 <= lim.max_connections_per_identity <= lim.max_connections,
+         "[limits] need 1 <= max_connections_per_identity <= max_connections")
+    # a frame the cap admits must fit the budgets, or it would be dropped by them instead
+    need(lim.max_frame_bytes <= lim.max_buffered_per_identity <= lim.max_buffered_bytes,
+         "[limits] need max_frame_bytes <= max_buffered_per_identity <= max_buffered_bytes")
     need(cfg.clients.poll_interval > 0 and cfg.clients.retry_seconds > 0,
          "[clients] poll_interval and retry_seconds must be > 0")
 
@@ -297,16 +315,24 @@ def free_loopback_ports(n: int) -> list[int]:
             s.close()
 
 
+#: where ``write_scratch_deployment`` puts the CA (key, CRL, issued list), beside ``keys``
+SCRATCH_CA_DIR = "ca-offline"
+
+
 def write_scratch_deployment(directory: str | os.PathLike[str], *, clients: int = 20,
                              overrides: dict[str, dict[str, Any]] | None = None) -> Path:
-    """Keys (CA, servers, dealer, admin, client-0..N-1) and a config on free loopback ports.
+    """Keys (servers, dealer, admin, client-0..N-1) and a config on free loopback ports.
 
-    Returns the path of ``config.toml``. ``overrides`` maps section -> {key: value}. For
-    demos and tests; a real deployment hands every party only its own key.
+    Returns the path of ``config.toml``. ``overrides`` maps section -> {key: value}. The
+    daemons read ``keys/`` (certificates, their keys, ``ca.pem``, ``crl.pem``); the CA's
+    private key goes to ``ca-offline/`` beside it, never into ``keys/``, because a daemon
+    refuses a key directory that holds it (``tls.check_key_dir``). For demos and tests; a
+    real deployment moves ``ca-offline/`` off the machine and hands every party only its
+    own key.
     """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    tls.init_keys(d / "keys", clients=clients)
+    tls.init_keys(d / "keys", clients=clients, ca_dir=d / SCRATCH_CA_DIR)
     ports = free_loopback_ports(7)
     cfg = ServiceConfig(path=d / "config.toml", keys_dir=d / "keys")
     cfg = dataclasses.replace(

@@ -2,7 +2,10 @@
 
 A client is the certificate name ``client-<id>``, the operator ``admin`` (who may read state
 and jobs and request unlearning, nothing else). Every connection is served in its own
-thread, at most ``limits.max_connections`` at a time; every request gets one reply frame,
+thread; until TLS says who it is, it holds one of ``limits.max_handshakes`` short-lived
+handshake slots, then one of ``limits.max_connections`` (at most
+``limits.max_connections_per_identity`` per identity; over a cap the connection gets an
+``unavailable`` reply saying why, ``mpc.admission``); every request gets one reply frame,
 never an exception. A state-changing request (``wire.MUTATING_OPS``) carries a nonce larger
 than the identity's last accepted one (durable in ``servers.service_state``), so a replay is
 refused, also after a restart. The operations:
@@ -29,6 +32,7 @@ import threading
 from collections.abc import Callable
 
 from mpc import tls, wire
+from mpc.admission import Admission, Refused, refuse
 from mpc.channel import KIND_OBJECT, Channel, ChannelError, PeerTimeout, ProtocolError, accept_loop
 from mpc.service_config import ServiceConfig
 
@@ -77,8 +81,7 @@ class ClientAPI:
         self._ctx = ctx
         self._id_locks: dict[str, threading.Lock] = {}
         self._id_guard = threading.Lock()
-        self._connections = 0
-        self._conn_guard = threading.Lock()
+        self._admission = Admission.from_limits("client API", cfg.limits)
         self._clients_cache: tuple[int, frozenset[int]] = (-1, frozenset())
         self._ops: dict[str, Callable[[str, dict], dict]] = {
             "state": self._op_state, "get_model": self._op_get_model,
@@ -92,15 +95,7 @@ class ClientAPI:
     # ------------------------------------------------------------------ connections
     def serve_forever(self) -> None:
         accept_loop(self._listener, self._serve_client, self.stop_event, name="client",
-                    admit=self._admit_client)
-
-    def _admit_client(self) -> bool:
-        with self._conn_guard:
-            if self._connections >= self.cfg.limits.max_connections:
-                log.warning("refusing a client connection: %d open", self._connections)
-                return False
-            self._connections += 1
-            return True
+                    admission=self._admission)
 
     @staticmethod
     def _allowed(name: str) -> bool:
@@ -108,34 +103,39 @@ class ClientAPI:
 
     def _serve_client(self, sock: socket.socket) -> None:
         try:
-            try:
-                ch = Channel.wrap_accepted(sock, self._ctx, self._allowed, kind="online",
-                                           timeout=self.cfg.limits.idle_timeout,
-                                           max_frame=self.cfg.limits.max_frame_bytes)
-            except ChannelError as exc:
-                log.info("refused a client connection: %s", exc)
-                return
-            who = ch.peer
-            try:
-                while not self.stop_event.is_set():
-                    try:
-                        buf = ch.recv_frame(KIND_OBJECT)
-                    except ProtocolError as exc:
-                        # a frame of another kind: answer and go on. A frame above the hard cap
-                        # ended the reader, so this send fails and the connection is dropped.
-                        ch.send_frame(KIND_OBJECT, wire.error_reply(
-                            None, "bad_request", f"{exc} (requests are msgpack object frames)"))
-                        continue
-                    ch.send_frame(KIND_OBJECT, self.handle(who, buf))
-            except PeerTimeout:
-                log.debug("%s: idle connection closed", who)
-            except ChannelError as exc:
-                log.debug("%s: connection ended: %s", who, exc)
-            finally:
-                ch.close()
+            ch = Channel.wrap_accepted(sock, self._ctx, self._allowed, kind="online",
+                                       timeout=self.cfg.limits.idle_timeout,
+                                       max_frame=self.cfg.limits.max_frame_bytes,
+                                       **self._admission.channel_options())
+        except ChannelError as exc:
+            log.info("refused a client connection: %s", exc)
+            return
+        who = ch.peer
+        try:
+            slot = self._admission.connection(sock, who)
+        except Refused as exc:
+            log.warning("refused a connection of %s: %s", who, exc)
+            refuse(ch, wire.error_reply(None, "unavailable", str(exc)),
+                   wait=self._admission.handshake_timeout)
+            return
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    buf = ch.recv_frame(KIND_OBJECT)
+                except ProtocolError as exc:
+                    # a frame of another kind: answer and go on. A frame above the hard cap
+                    # ended the reader, so this send fails and the connection is dropped.
+                    ch.send_frame(KIND_OBJECT, wire.error_reply(
+                        None, "bad_request", f"{exc} (requests are msgpack object frames)"))
+                    continue
+                ch.send_frame(KIND_OBJECT, self.handle(who, buf))
+        except PeerTimeout:
+            log.debug("%s: idle connection closed", who)
+        except ChannelError as exc:
+            log.debug("%s: connection ended: %s", who, exc)
         finally:
-            with self._conn_guard:
-                self._connections -= 1
+            ch.close()
+            slot.close()
 
     # ------------------------------------------------------------------ requests
     def _identity_lock(self, who: str) -> threading.Lock:

@@ -14,6 +14,11 @@ Messages are msgpack maps (``mpc.wire.pack``) ``{"op": str, ...fields}``; replie
 say is ``servers.peer_messages`` (typed requests and replies that check their fields). The
 peer is a server of the same deployment, but its messages are still size-bounded and
 type-checked.
+
+Server 1's port is reachable by anyone, but only ``server0`` has business there:
+``PEER_CAPS`` admits a few handshakes at once, each for ``handshake_timeout`` seconds, and
+two links of ``server0`` (the new one wins; the old one is being closed). A link over the cap
+gets ``{"ok": false}`` with the reason (``mpc.admission``).
 """
 
 from __future__ import annotations
@@ -25,11 +30,15 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 from mpc import tls, wire
+from mpc.admission import Admission, Refused, refuse
 from mpc.channel import KIND_OBJECT, Channel, ChannelError, PeerTimeout, accept_loop
 
 __all__ = ["PeerUnavailable", "PeerRefused", "PeerRequest", "PeerClient", "PeerServer"]
 
 log = logging.getLogger("starfish.peer")
+
+#: One legitimate identity (server0) with one link, two while a reconnect replaces the old one.
+PEER_CAPS = {"max_handshakes": 4, "max_connections": 2, "max_per_identity": 2}
 
 
 class PeerUnavailable(ConnectionError):
@@ -104,8 +113,11 @@ class PeerServer:
 
     def __init__(self, keys_dir: Any, listener: socket.socket,
                  handler: Callable[[str, dict], dict], *, timeout: float, max_bytes: int,
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, handshake_timeout: float = 5.0) -> None:
         self._ctx = tls.server_context(tls.identity(keys_dir, tls.PARTY_NAMES[1]))
+        # control messages are small: a link may buffer one message of max_bytes at a time
+        self.admission = Admission("peer", handshake_timeout=handshake_timeout,
+                                   max_buffered_per_identity=2 * max_bytes, **PEER_CAPS)
         self._listener = listener
         self._handler = handler
         self._timeout = timeout
@@ -115,15 +127,26 @@ class PeerServer:
         self._lock = threading.Lock()
 
     def serve_forever(self) -> None:
-        accept_loop(self._listener, self._serve, self._stop, name="peer-link")
+        accept_loop(self._listener, self._serve, self._stop, name="peer-link", admission=self.admission)
 
     def _serve(self, sock: socket.socket) -> None:
         try:
             ch = Channel.wrap_accepted(sock, self._ctx, tls.PARTY_NAMES[0], kind="online",
-                                       timeout=self._timeout)
+                                       timeout=self._timeout, max_frame=self._max,
+                                       **self.admission.channel_options())
         except ChannelError as exc:
-            log.warning("refused a control-link connection: %s", exc)
+            log.info("refused a control-link connection: %s", exc)  # anyone can cause this
             return
+        try:
+            slot = self.admission.connection(sock, ch.peer)
+        except Refused as exc:
+            log.warning("refused a control link of %s: %s", ch.peer, exc)
+            refuse(ch, wire.pack({"ok": False, "error": str(exc)}), wait=self.admission.handshake_timeout)
+            return
+        with slot:
+            self._serve_link(ch)
+
+    def _serve_link(self, ch: Channel) -> None:
         with self._lock:
             old, self._current = self._current, ch
         if old is not None:

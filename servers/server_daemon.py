@@ -32,6 +32,7 @@ import threading
 import numpy as np
 
 from mpc import tls
+from mpc.ca import write_private
 from mpc.channel import listen
 from mpc.service_config import ServiceConfig
 
@@ -60,6 +61,8 @@ class ServerDaemon:
         self.cfg = cfg
         self.party = party
         self.name = tls.PARTY_NAMES[party]
+        for problem in tls.check_key_dir(cfg.keys_dir):   # raises tls.KeyDirError if ca.key is there
+            log.warning("%s", problem)
         self.data_dir = cfg.data_dir(party)
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         api_ctx = tls.server_context(tls.identity(cfg.keys_dir, self.name))
@@ -75,8 +78,9 @@ class ServerDaemon:
         self._mpc_listener: socket.socket | None = None
         self.peer: PeerClient | None = None
         if party == 1:
-            self._peer_listener = listen(me.host, me.peer_port)
-            self._mpc_listener = listen(me.host, me.mpc_port)
+            # a burst of strangers must not fill the kernel's queue before admission sees them
+            self._peer_listener = listen(me.host, me.peer_port, backlog=128)
+            self._mpc_listener = listen(me.host, me.mpc_port, backlog=128)
         else:
             self.peer = PeerClient(cfg.keys_dir, cfg.server1.peer().address,
                                    timeout=cfg.limits.peer_timeout, max_bytes=cfg.limits.max_frame_bytes)
@@ -98,14 +102,15 @@ class ServerDaemon:
             assert self._peer_listener is not None
             peer = PeerServer(self.cfg.keys_dir, self._peer_listener, self._answer_peer,
                               timeout=self.cfg.limits.peer_timeout,
-                              max_bytes=self.cfg.limits.max_frame_bytes, stop=self.stop_event)
+                              max_bytes=self.cfg.limits.max_frame_bytes, stop=self.stop_event,
+                              handshake_timeout=self.cfg.limits.handshake_timeout)
             threads.append(threading.Thread(target=peer.serve_forever, name="peer", daemon=True))
         else:
             threads.append(threading.Thread(target=self.rounds.lead_forever, args=(self.jobs,),
                                             name="leader", daemon=True))
         for t in threads:
             t.start()
-        (self.data_dir / "ready.json").write_text(json.dumps({"pid": os.getpid(), "party": self.party}))
+        write_private(self.data_dir / "ready.json", json.dumps({"pid": os.getpid(), "party": self.party}).encode())
         log.info("%s ready: client API on %s:%d", self.name, *self._api_listener.getsockname()[:2])
         try:
             while not self.stop_event.wait(0.5):

@@ -25,10 +25,10 @@ import torch
 from bench.lab_setup import DATASET_DEFAULTS
 from clients.initial_model import architecture_of, initial_model
 from clients.service_client import ServiceClient, ServiceError
-from clients.simulator import FederationSpec, Simulator, build_federation, write_summary
-from mpc import wire
+from clients.simulator import FederationSpec, Simulator, build_federation, parse_unlearn, write_summary
+from mpc import tls, wire
 from mpc.channel import ChannelError
-from mpc.service_config import ConfigError, load_config, write_scratch_deployment
+from mpc.service_config import SCRATCH_CA_DIR, ConfigError, load_config, write_scratch_deployment
 from servers.dealer_daemon import run_dealer
 from servers.lab.history import NpzTwinRecorder
 from servers.server_daemon import ServerDaemon, install_crash_points
@@ -65,7 +65,11 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     install_crash_points(os.environ.get("STARFISH_CRASH_AT"))
-    daemon = ServerDaemon(cfg, args.party, initial_model(cfg.model))
+    try:
+        daemon = ServerDaemon(cfg, args.party, initial_model(cfg.model))
+    except tls.KeyDirError as exc:
+        print(f"starfish server: {exc}", file=sys.stderr)
+        return 2
     _on_signals(daemon.stop)
     daemon.serve_forever()
     return 0
@@ -77,7 +81,11 @@ def cmd_dealer(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
     _on_signals(stop.set)
-    run_dealer(cfg, stop)
+    try:
+        run_dealer(cfg, stop)
+    except tls.KeyDirError as exc:
+        print(f"starfish dealer: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -112,11 +120,14 @@ def cmd_clients(args: argparse.Namespace) -> int:
         return 2
     fed = build_federation(spec)
     ids = list(range(args.first_id, args.first_id + args.n))
-    unlearn = [int(x) for x in str(args.unlearn or "").split(",") if x.strip()]
-    twin = NpzTwinRecorder(args.twin_dir) if args.twin_dir else None
-    sim = Simulator(cfg, fed, ids, twin=twin, unlearn=unlearn,
-                    until=args.until or ("jobs" if unlearn else "training"),
-                    max_seconds=args.max_seconds)
+    try:
+        unlearn = parse_unlearn(args.unlearn)
+        twin = NpzTwinRecorder(args.twin_dir) if args.twin_dir else None
+        sim = Simulator(cfg, fed, ids, twin=twin, unlearn=unlearn, until=args.until or "training",
+                        max_seconds=args.max_seconds)
+    except ValueError as exc:
+        print(f"starfish clients: {exc}", file=sys.stderr)
+        return 2
     stop_requested = threading.Event()
 
     def stop() -> None:
@@ -164,7 +175,8 @@ def cmd_unlearn(args: argparse.Namespace) -> int:
         if args.wait:
             deadline = time.monotonic() + args.wait
             while time.monotonic() < deadline:
-                states = [c.call("job_status", job=fields["job"]) for c in conns]
+                # a server restarting meanwhile is ordinary: reconnect for up to 60 s
+                states = [c.call("job_status", retry_seconds=60.0, job=fields["job"]) for c in conns]
                 print(f"job {fields['job']}: " + ", ".join(
                     f"server{p} {s['state']} {100 * s['progress']:.0f}%" for p, s in enumerate(states)),
                     file=sys.stderr)
@@ -191,6 +203,14 @@ def _print_job(rec: dict) -> None:
         print(f"  selected rounds: {res.get('selected_rounds')}")
         print(f"  corrections at replay steps {res.get('correction_steps')}, warm-up steps "
               f"{res.get('warmup_steps')}, wall time {res.get('wall_seconds', 0):.1f}s")
+    receipt = rec.get("receipt")
+    if receipt:
+        print(f"  erasure receipt: model adopted as round {receipt.get('adopted_round')}; clients "
+              f"{receipt.get('clients')} erased from rounds {receipt.get('rounds_erased')}")
+        for name, conf in sorted(receipt.get("confirmations", {}).items()):
+            print(f"    {name}: {conf.get('share_rows')} share rows, {conf.get('staged_rows')} staged "
+                  f"uploads, {conf.get('blobs_removed')} blob files deleted at "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(conf.get('at', 0)))} UTC")
 
 
 def _save_model(job: dict, path: str | None, party: int) -> None:
@@ -240,8 +260,28 @@ def cmd_status(args: argparse.Namespace) -> int:
         for j in st["jobs"][-10:]:
             print(f"  job {j['job']}: {j['state']} {100 * j['progress']:.0f}% targets {j['targets']} "
                   f"by {j['requester']}" + (f" ({j['error']})" if j.get("error") else ""))
+        for f in st.get("forgotten", []):
+            print(f"  client {f['client']} forgotten by job {f['job']}"
+                  + (f", re-enrolled by {f['reenrolled_by']}" if f.get("reenrolled_by") else ""))
         if v["job"]:
             _print_job(v["job"])
+    return rc
+
+
+def cmd_admin(args: argparse.Namespace) -> int:
+    """``starfish admin cancel JOB`` / ``starfish admin reenrol CLIENT``, at both servers."""
+    cfg = _config(args)
+    op, fields = (("cancel_job", {"job": args.target}) if args.action == "cancel"
+                  else ("reenrol", {"client": int(args.target)}))
+    rc = 0
+    for p in (0, 1):
+        try:
+            with _connection(cfg, p, args) as c:
+                rep = c.call(op, **fields)
+            print(f"server{p}: " + ", ".join(f"{k} {v}" for k, v in rep.items() if v != ""))
+        except (ServiceError, ChannelError) as exc:
+            print(f"server{p}: {exc}", file=sys.stderr)
+            rc = 1
     return rc
 
 
@@ -256,6 +296,10 @@ def cmd_init_deployment(args: argparse.Namespace) -> int:
         print(f"starfish init-deployment: {exc}", file=sys.stderr)
         return 2
     print(f"wrote keys for server0, server1, dealer, admin, client-0..{args.clients - 1} and {path}")
+    ca_dir = path.parent / SCRATCH_CA_DIR
+    print(f"WARNING: {ca_dir} holds the CA's private key (it can mint any certificate, admin "
+          f"included): move it off this machine; `starfish keys issue|revoke --ca-dir` need it, "
+          f"no daemon does", file=sys.stderr)
     print("start: starfish dealer --config CFG; starfish server --party 1 --config CFG; "
           "starfish server --party 0 --config CFG; starfish clients --config CFG --n N")
     return 0
@@ -284,9 +328,12 @@ def add_commands(sub: Any) -> None:
     c.add_argument("--dataset", help="digits, mnist, fmnist, cifar10 ([clients] dataset)")
     c.add_argument("--data-dir", help="directory of the dataset files (not for digits)")
     c.add_argument("--backdoor", help="comma-separated ids of backdoor clients (e.g. 0)")
-    c.add_argument("--unlearn", help="after training, these clients request their own unlearning")
+    c.add_argument("--unlearn", help="clients that request their own unlearning: CLIENT@ROUND once "
+                                     "ROUND FL rounds are committed, or CLIENT after training "
+                                     "(e.g. 3@20,5)")
     c.add_argument("--until", choices=("training", "jobs", "never"),
-                   help="exit after training (default), after the requested jobs, or never")
+                   help="exit once training is over and the requested jobs ended (training, "
+                        "default; jobs is the same), or never")
     c.add_argument("--twin-dir", help="write the plaintext twin history here (a new directory)")
     c.add_argument("--summary", help="write a JSON summary here")
     c.add_argument("--seed", type=int, help="data split and batch-order seed ([clients] seed)")
@@ -316,7 +363,17 @@ def add_commands(sub: Any) -> None:
     st.add_argument("--connect-timeout", type=float, default=10.0)
     st.set_defaults(func=cmd_status)
 
-    i = sub.add_parser("init-deployment", help="write keys and a config for a loopback deployment")
+    a = sub.add_parser("admin", help="operator actions at both servers: cancel a job, re-enrol a client")
+    common(a)
+    a.add_argument("action", choices=("cancel", "reenrol"))
+    a.add_argument("target", help="cancel: the job id; reenrol: the client id")
+    a.add_argument("--connect-timeout", type=float, default=10.0)
+    a.set_defaults(func=cmd_admin, client=None)
+
+    i = sub.add_parser("init-deployment", help="write keys and a config for a loopback deployment",
+                       description="Writes DIR/config.toml, DIR/keys (what the daemons read: ca.pem, "
+                                   "crl.pem, each identity's certificate and key) and DIR/ca-offline "
+                                   "(the CA's private key: move it off the machine).")
     i.add_argument("dir", help="new directory (refuses an existing CA)")
     i.add_argument("--clients", type=int, default=20, help="client certificates and clients_expected (20)")
     i.add_argument("--rounds", type=int, default=40, help="FL rounds (40)")

@@ -27,7 +27,8 @@ def test_keys_init_writes_a_ca_and_private_keys_and_refuses_to_overwrite(tmp_pat
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert san.get_values_for_type(x509.DNSName) == [name]
         assert stat.S_IMODE(os.stat(d / f"{name}.key").st_mode) == 0o600
-    assert stat.S_IMODE(os.stat(d / "ca.key").st_mode) == 0o600
+    assert not (d / "ca.key").exists()  # the CA key goes beside, never where daemons read
+    assert stat.S_IMODE(os.stat(tmp_path / "ca-offline" / "ca.key").st_mode) == 0o600
     before = (d / "ca.pem").read_bytes()
     assert main(["keys", "init", str(d)]) == 2
     assert "refusing" in capsys.readouterr().err
