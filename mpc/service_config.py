@@ -136,6 +136,12 @@ class LimitsSection:
     # Bytes held by frames being received or waiting for their handler, per port.
     max_buffered_bytes: int = 2 << 30   # all connections of one client API (or of the dealer)
     max_buffered_per_identity: int = 1 << 30  # one certificate name's connections
+    # |D_j| is reported in the clear and cannot be checked; the cap bounds the FedAvg weight a
+    # client can claim and keeps the exact ring aggregation from overflowing (issue 14).
+    max_num_samples: int = 0            # per upload; 0: the largest that keeps any round exact
+    requests_per_second: float = 50.0   # per identity, sustained (token bucket)
+    request_burst: int = 200            # per identity, at once
+    max_pending_jobs: int = 1           # unlearning jobs of one client not yet ended (admin: 16)
 
 
 @dataclass(frozen=True)
@@ -240,6 +246,10 @@ def _check(cfg: ServiceConfig) -> None:
     # a frame the cap admits must fit the budgets, or it would be dropped by them instead
     need(lim.max_frame_bytes <= lim.max_buffered_per_identity <= lim.max_buffered_bytes,
          "[limits] need max_frame_bytes <= max_buffered_per_identity <= max_buffered_bytes")
+    need(lim.max_num_samples >= 0, "[limits] max_num_samples must be >= 0 (0: derived)")
+    need(lim.requests_per_second > 0 and lim.request_burst >= 1,
+         "[limits] need requests_per_second > 0 and request_burst >= 1")
+    need(lim.max_pending_jobs >= 1, "[limits] max_pending_jobs must be >= 1")
     need(cfg.clients.poll_interval > 0 and cfg.clients.retry_seconds > 0,
          "[clients] poll_interval and retry_seconds must be > 0")
 

@@ -42,7 +42,7 @@ __all__ = ["VERSION", "ERROR_CODES", "MUTATING_OPS", "REQUESTS", "WireError", "R
 
 VERSION = 1
 ERROR_CODES = ("bad_request", "too_large", "version", "unknown_op", "unauthorized", "replay",
-               "conflict", "closed", "not_found", "unavailable", "internal", "forgotten", "paused")
+               "conflict", "closed", "not_found", "unavailable", "internal", "forgotten", "paused", "rate_limited")
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")      # the history store's job-id rule
 #: ``<job>/<attempt>/<k>``: the k-th correction task of one run (attempt) of a job
 TASK_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}/[0-9]{1,9}/[0-9]{1,9}$")
@@ -168,11 +168,15 @@ REQUESTS: Mapping[str, _Schema] = {
     "status": _Schema({}, {}),
     # admin: cancel a job that has not been adopted yet (queued, running or computed)
     "cancel_job": _Schema({"job": _string(JOB_ID_RE), "nonce": _NONCE}, {}),
+    # admin: the uploads staged for the open round (public bookkeeping, no shares)
+    "staged": _Schema({}, {}),
+    # admin: withdraw one client's staged upload of the open round
+    "drop_staged": _Schema({"client": _int(0, 10**18), "nonce": _NONCE}, {}),
     # admin: let a forgotten client take part again (its erased data stays erased)
     "reenrol": _Schema({"client": _int(0, 10**18), "nonce": _NONCE}, {}),
 }
 #: Operations that change state; they carry a per-identity strictly increasing nonce.
-MUTATING_OPS = frozenset({"upload", "unlearn", "task_result", "cancel_job", "reenrol"})
+MUTATING_OPS = frozenset({"upload", "unlearn", "task_result", "cancel_job", "reenrol", "drop_staged"})
 
 
 @dataclass(frozen=True)

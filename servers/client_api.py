@@ -38,7 +38,9 @@ from mpc.service_config import ServiceConfig
 
 from .correction_tasks import TaskBoard
 from .crash_points import checkpoint
-from .job_scheduler import JobScheduler
+from .job_scheduler import PENDING, JobScheduler
+from .rate_limits import TokenBucket
+from .ring_aggregation import max_total_samples
 from .round_coordinator import RoundCoordinator
 from .service_state import ServiceState
 from .job_records import JobRecord, JobState
@@ -52,9 +54,11 @@ log = logging.getLogger("starfish.server")
 
 #: What the operator (``admin``) may do; FL clients may do everything else.
 ADMIN_OPS = frozenset({"state", "get_model", "round_info", "unlearn", "job_status", "status",
-                       "cancel_job", "reenrol"})
+                       "cancel_job", "reenrol", "staged", "drop_staged"})
 #: Admin-only operations.
-ONLY_ADMIN_OPS = frozenset({"cancel_job", "reenrol"})
+ONLY_ADMIN_OPS = frozenset({"cancel_job", "reenrol", "staged", "drop_staged"})
+#: Unlearning jobs the operator may have pending at once (clients: ``limits.max_pending_jobs``).
+ADMIN_PENDING_JOBS = 16
 #: What a forgotten client may still do: read public state and its own jobs (the receipt).
 FORGOTTEN_OPS = frozenset({"state", "get_model", "round_info", "job_status", "status"})
 #: The result fields ``job_status`` shows of a finished job.
@@ -90,7 +94,9 @@ class ClientAPI:
             "status": self._op_status, "poll_tasks": self._op_poll_tasks,
             "get_task": self._op_get_task, "task_result": self._op_task_result,
             "cancel_job": self._op_cancel_job, "reenrol": self._op_reenrol,
+            "staged": self._op_staged, "drop_staged": self._op_drop_staged,
         }
+        self._buckets: dict[str, TokenBucket] = {}
 
     # ------------------------------------------------------------------ connections
     def serve_forever(self) -> None:
@@ -146,6 +152,9 @@ class ClientAPI:
         """Answer one request of identity ``who``: a reply frame, never an exception."""
         msg_id = None
         try:
+            if not self._bucket(who).take():
+                raise wire.WireError("rate_limited", f"more than {self.cfg.limits.requests_per_second:g} "
+                                                     f"requests per second from {who}; slow down")
             req = wire.parse_request(buf, self.max_bytes)
             msg_id = req.id
             self._authorize(who, req)
@@ -177,6 +186,14 @@ class ClientAPI:
         except Exception:  # noqa: BLE001 - the client gets a reply, the log the traceback
             log.exception("request from %s failed", who)
             return wire.error_reply(msg_id, "internal", "internal error (see the server log)")
+
+    def _bucket(self, who: str) -> TokenBucket:
+        with self._id_guard:   # identities are certificate holders: the table stays small
+            b = self._buckets.get(who)
+            if b is None:
+                lim = self.cfg.limits
+                b = self._buckets[who] = TokenBucket(lim.requests_per_second, lim.request_burst)
+            return b
 
     def _authorize(self, who: str, req: wire.Request) -> None:
         if who == tls.ADMIN_NAME:
@@ -238,6 +255,13 @@ class ClientAPI:
         return out
 
     # ------------------------------------------------------------------ uploads
+    def max_num_samples(self) -> int:
+        """The cap on |D_j|: the configured one, never above what keeps a full round of
+        ``clients_expected`` uploads inside the exact ring aggregation's bound."""
+        fits = max_total_samples(self.store.precision) // max(1, self.cfg.fl.clients_expected)
+        configured = self.cfg.limits.max_num_samples
+        return max(1, min(fits, configured) if configured else fits)
+
     def _op_upload(self, who: str, f: dict) -> dict:
         cid = wire.client_id_of(who)
         assert cid is not None
@@ -255,6 +279,10 @@ class ClientAPI:
         norm = wire.decode_share(f["norm"], "norm", (), self.party)
         delta = wire.decode_share(f["delta"], "delta", (), self.party)
         n = f["num_samples"]
+        cap = self.max_num_samples()
+        if n > cap:
+            raise wire.WireError("bad_request", f"num_samples {n} is above this deployment's cap "
+                                                f"of {cap} per upload (limits.max_num_samples)")
         staged = cid in self.store.staged(r)
         prev = self.state.size(r, cid)
         if staged and prev is not None and prev != n:
@@ -287,6 +315,11 @@ class ClientAPI:
             targets = [cid]
         elif targets is None:
             raise wire.WireError("bad_request", "admin must name the targets")
+        pending = [j for j in self.store.jobs() if j.requester == who and j.state in PENDING]
+        quota = ADMIN_PENDING_JOBS if cid is None else self.cfg.limits.max_pending_jobs
+        if len(pending) >= quota and all(j.id != f["job"] for j in pending):
+            raise wire.WireError("rate_limited", f"{who} has {len(pending)} unlearning jobs pending "
+                                                 f"(at most {quota}): {[j.id for j in pending]}")
         gone = sorted(t for t in targets if self.store.is_forgotten(t))
         if gone:
             raise wire.WireError("forgotten", f"clients {gone} are already forgotten")
@@ -340,6 +373,20 @@ class ClientAPI:
         self.rounds.wake()
         return {"job": rec.id, "state": rec.state,
                 "note": "the run stops at its next round" if rec.state == JobState.RUNNING else ""}
+
+    def _op_staged(self, who: str, f: dict) -> dict:
+        r = self.store.num_rounds + 1
+        sizes = self.state.sizes(r)
+        rows = [{**row, "num_samples": sizes.get(row["client"])} for row in self.store.staged_summary(r)]
+        return {"round": r, "uploads": rows}
+
+    def _op_drop_staged(self, who: str, f: dict) -> dict:
+        r = self.store.num_rounds + 1
+        dropped = self.store.drop_staged(r, f["client"])
+        if not dropped:
+            raise wire.WireError("not_found", f"client {f['client']} has no upload staged for round {r}")
+        log.warning("%s dropped the staged upload of client %d for round %d", who, f["client"], r)
+        return {"round": r, "dropped": list(dropped)}
 
     def _op_reenrol(self, who: str, f: dict) -> dict:
         try:

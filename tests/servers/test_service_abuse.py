@@ -1,0 +1,116 @@
+"""One client cannot halt training, take the FedAvg weight, flood a server or queue jobs (issue 14).
+
+Against real daemons on loopback: an upload claiming more samples than the deployment's cap
+is refused at the door (it used to be staged and make server 1 refuse every round close,
+forever); the operator can list and drop staged uploads; a client sending faster than its
+token bucket gets ``rate_limited`` while another client is served; a client gets one pending
+unlearning job at a time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from clients.service_client import ServiceError
+from mpc import wire
+from mpc.sharing import share
+from servers.rate_limits import TokenBucket
+from servers.ring_aggregation import max_total_samples
+from tests.helpers.service_harness import Deployment
+
+BURST, RATE = 20, 5.0
+
+
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory):
+    d = Deployment(tmp_path_factory.mktemp("abuse"), clients=4, overrides={
+        "fl": {"rounds": 3, "clients_expected": 2, "round_deadline": 1.0},
+        "limits": {"request_burst": BURST, "requests_per_second": RATE}})
+    try:
+        d.start_server(1)
+        d.start_server(0)
+        d.wait_ready()
+        yield d
+    finally:
+        d.close()
+
+
+def _upload(c, party: int, r: int, n: int, dim: int) -> dict:
+    g = share(np.linspace(-1, 1, dim), compress=True)
+    nn, dd = share(np.array(2.0), compress=True), share(np.array(0.5), compress=True)
+    if party == 0:
+        fields = {"update": {"seed": g.seed0}, "norm": {"seed": nn.seed0}, "delta": {"seed": dd.seed0}}
+    else:
+        fields = {k: wire.tensor(s.share1) for k, s in (("update", g), ("norm", nn), ("delta", dd))}
+    return c.call("upload", round=r, num_samples=n, **fields)
+
+
+def test_token_bucket_allows_the_burst_then_the_rate():
+    now = [0.0]
+    b = TokenBucket(2.0, 3, clock=lambda: now[0])
+    assert [b.take() for _ in range(4)] == [True, True, True, False]
+    now[0] += 0.5                       # one token back at 2 per second
+    assert [b.take(), b.take()] == [True, False]
+    now[0] += 100.0                     # never more than the burst
+    assert sum(b.take() for _ in range(10)) == 3
+
+
+def test_sample_counts_above_the_cap_are_refused_and_staged_uploads_can_be_dropped(dep):
+    cap = max_total_samples(16) // 2            # clients_expected = 2, nothing configured
+    with dep.client("client-3", 0) as c, dep.client("admin", 0) as admin:
+        dim = c.call("state")["dim"]
+        with pytest.raises(ServiceError) as e:
+            _upload(c, 0, 1, 200_000, dim)
+        assert e.value.code == "bad_request" and f"cap of {cap}" in e.value.message
+        with pytest.raises(ServiceError) as e:
+            _upload(c, 0, 1, cap + 1, dim)
+        assert e.value.code == "bad_request"
+        assert _upload(c, 0, 1, cap, dim)["stored"] is True
+        rows = admin.call("staged")["uploads"]
+        assert [(r["client"], r["num_samples"]) for r in rows] == [(3, cap)]
+        with pytest.raises(ServiceError) as e:          # bookkeeping is for the operator
+            c.call("staged")
+        assert e.value.code == "unauthorized"
+        assert admin.call("drop_staged", client=3)["dropped"] == [3]
+        assert admin.call("staged")["uploads"] == []
+        with pytest.raises(ServiceError) as e:
+            admin.call("drop_staged", client=3)
+        assert e.value.code == "not_found"
+
+
+def test_a_fast_client_is_throttled_and_another_is_not(dep):
+    with dep.client("client-0", 0) as fast, dep.client("client-1", 0) as calm:
+        codes = []
+        for _ in range(BURST + 15):
+            try:
+                fast.call("state")
+                codes.append("ok")
+            except ServiceError as exc:
+                codes.append(exc.code)
+        assert codes[:BURST] == ["ok"] * BURST and "rate_limited" in codes[BURST:]
+        assert calm.call("state")["party"] == 0
+        time.sleep(2.0 / RATE)                           # the bucket refills
+        assert fast.call("state")["party"] == 0
+
+
+def test_a_client_has_one_pending_job_at_a_time(dep):
+    with dep.client("client-2", 0) as c, dep.client("client-2", 1) as c1, dep.client("admin", 0) as admin:
+        dim = c.call("state")["dim"]
+        if c.call("state")["T"] == 0:   # client 2 must have taken part in a committed round
+            _upload(c, 0, 1, 10, dim)
+            _upload(c1, 1, 1, 10, dim)  # fresh shares: only the round's presence matters here
+            deadline = time.monotonic() + 30
+            while c.call("state")["T"] < 1 or c1.call("state")["T"] < 1:
+                assert time.monotonic() < deadline, dep.log("server0")
+                time.sleep(0.2)
+        assert c.call("unlearn", job="first-2")["state"] == "queued"   # server 0 only: no run
+        assert c.call("unlearn", job="first-2")["state"] == "queued"   # a replay is no new job
+        with pytest.raises(ServiceError) as e:
+            c.call("unlearn", job="second-2")
+        assert e.value.code == "rate_limited" and "first-2" in e.value.message
+        assert admin.call("cancel_job", job="first-2")["state"] == "cancelled"
+        assert c.call("unlearn", job="second-2")["state"] == "queued"
+        admin.call("cancel_job", job="second-2")
