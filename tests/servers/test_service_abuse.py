@@ -114,3 +114,11 @@ def test_a_client_has_one_pending_job_at_a_time(dep):
         assert admin.call("cancel_job", job="first-2")["state"] == "cancelled"
         assert c.call("unlearn", job="second-2")["state"] == "queued"
         admin.call("cancel_job", job="second-2")
+
+
+def test_private_files_of_a_running_server_are_private(dep):
+    for p in (0, 1):
+        data = dep.cfg.data_dir(p)
+        assert (data / "ready.json").stat().st_mode & 0o777 == 0o600
+        assert data.stat().st_mode & 0o777 == 0o700
+        assert (data / "service.sqlite3").stat().st_mode & 0o077 == 0
