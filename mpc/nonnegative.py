@@ -24,6 +24,11 @@ convention), like CrypTen's comparison. Reveals c (uniform), the AND openings (o
 pads) and e (uniform), i.e. nothing; the result stays shared.
 
 The provider must offer ``edabits`` (our dealer and the test-only TFP do).
+
+``below_power_of_two(x, k)`` reuses the same masked opening for a *window* test, [x < 2**k]
+with x read as an unsigned ring element (``protocols.upload_range`` shifts a range
+[lo, lo + 2**k) onto it): the borrow of the k low bits and one equality test of the top
+64 - k bits, about as cheap as one sign test instead of the two a window costs with it.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from torch.distributed import ReduceOp
 from mpc import bitplanes
 from mpc.crypten_compat import crypten
 
-__all__ = ["nonnegative", "and_gates", "open_xor", "public_less_than_shared", "plane_to_arith"]
+__all__ = ["nonnegative", "and_gates", "open_xor", "public_less_than_shared", "plane_to_arith",
+           "and_reduce", "below_power_of_two"]
 
 _ALL_ONES = -1  # int64 with every bit set
 
@@ -162,4 +168,56 @@ def nonnegative(x):
     if rank == 0:
         msb ^= c_planes[63] ^ _ALL_ONES  # public top bit of c, and NOT (nonnegative = not msb)
     bit = plane_to_arith(msb, n, width)
+    return crypten.mpc.MPCTensor.from_shares(bit.reshape(shape), precision=0)
+
+
+def and_reduce(planes: torch.Tensor, width: int) -> torch.Tensor:
+    """XOR share (one plane, (words,)) of the AND of the m XOR-shared planes ``(m, words)``.
+
+    A balanced tree: ceil(log2 m) rounds, m - 1 AND gates per element (an odd plane waits a
+    level). m = 1 returns the plane itself, without communication.
+    """
+    while planes.shape[0] > 1:
+        k = planes.shape[0]
+        pairs = k // 2
+        prod = and_gates(planes[0 : 2 * pairs : 2], planes[1 : 2 * pairs : 2], width)
+        planes = torch.cat([prod, planes[2 * pairs :]]) if k % 2 else prod
+    return planes[0]
+
+
+def below_power_of_two(x, k: int):
+    """Shared bit (MPCTensor, scale 1) of ``x < 2**k`` for ``x`` read as *unsigned* (0..2**64-1).
+
+    Exact for every ring element. Why it holds: with c = x + r opened (r a uniform 64-bit edabit)
+    write c = c_hi 2**k + c_lo and r = r_hi 2**k + r_lo (hi parts of m = 64 - k bits). Then
+    x = c - r mod 2**64 has top part x_hi = c_hi - r_hi - b mod 2**m with the borrow
+    b = [c_lo < r_lo], and x < 2**k iff x_hi = 0 iff r_hi = T := c_hi - b mod 2**m. T's bits are
+    those of the public c_hi, flipped where c_hi and c_hi - 1 differ if b = 1: b's XOR share
+    times a public mask, local. So: the k-bit prefix comparison of the sign test for b
+    (ceil(log2 k) rounds), m XNORs (local) and an AND tree over them (ceil(log2 m) rounds),
+    one bit conversion. Per element about 2k + m AND gates (k = 27: 83, against 236 for the
+    two sign tests of a window), 16 bytes for c, 8 bytes of edabit and the triples offline.
+    Opens c (uniform), AND and conversion openings (one-time pads): nothing. 1 <= k <= 63.
+    """
+    if not 1 <= k <= 63:
+        raise ValueError(f"below_power_of_two needs 1 <= k <= 63, got {k}")
+    comm, rank, provider = _context()
+    share = x.share
+    shape = share.shape
+    flat = share.reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return crypten.mpc.MPCTensor.from_shares(torch.zeros(shape, dtype=torch.long), precision=0)
+    r, r_planes = provider.edabits((n,), 64)
+    c = comm.all_reduce(flat + r)
+    c_planes = bitplanes.to_planes(c)
+    width = min(n, 64)
+    borrow = public_less_than_shared(c_planes[:k], r_planes[:k], rank, width)
+    top = c_planes[k:]
+    # c - 2**k has the same low bits and top part c_hi - 1 mod 2**m (torch wraps like the ring)
+    flips = top ^ bitplanes.to_planes(c - (1 << k))[k:]
+    eq = r_planes[k:] ^ (borrow.unsqueeze(0) & flips)   # r_i XOR (b AND flip_i), XOR-shared
+    if rank == 0:
+        eq ^= top ^ _ALL_ONES   # XOR the public c_i and negate: eq_i = [r_i == T_i]
+    bit = plane_to_arith(and_reduce(eq, width), n, width)
     return crypten.mpc.MPCTensor.from_shares(bit.reshape(shape), precision=0)

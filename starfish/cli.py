@@ -5,20 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import lab, primitives, rs_switch, runtime, scaling, steps, truncation, unlearning
-from mpc import tls
-from starfish import demo, service_commands
-
-
-def _keys_init(args: argparse.Namespace) -> int:
-    try:
-        names = tls.init_keys(args.dir, clients=args.clients)
-    except FileExistsError as exc:
-        print(f"starfish keys init: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote CA and certificates for {', '.join(names)} to {args.dir}")
-    print("private keys are mode 0600; give each participant only its own .key plus ca.pem")
-    return 0
+from bench import lab, primitives, range_check, rs_switch, runtime, scaling, steps, truncation, unlearning
+from starfish import demo, key_commands, service_commands
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,12 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    keys = sub.add_parser("keys", help="manage the deployment's certificates")
-    ksub = keys.add_subparsers(dest="keys_command", metavar="ACTION")
-    kinit = ksub.add_parser("init", help="write a CA and the certificates of server0, server1, dealer, admin")
-    kinit.add_argument("dir", help="directory to create (refuses to replace an existing CA)")
-    kinit.add_argument("--clients", type=int, default=0, help="also issue client-0..client-N-1 (default 0)")
-    kinit.set_defaults(func=_keys_init)
+    key_commands.add_commands(sub)
 
     d = sub.add_parser("demo", help="the service end to end: dealer, two servers, 20 clients, 2PC "
                                     "unlearning of a backdoor client (--runtime: the 2PC runtime alone)")
@@ -74,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                                              "the expected number of wraps")
     truncation.add_arguments(btr)
     btr.set_defaults(func=lambda a: truncation.main(args=a))
+    brc = bsub.add_parser("range-check", help="one round's 2PC range check of the uploads (one bit per client), "
+                                              "MNIST shapes: online/offline bytes, rounds, seconds")
+    range_check.add_arguments(brc)
+    brc.set_defaults(func=lambda a: range_check.main(args=a))
     bsc = bsub.add_parser("scaling", help="cost of one unlearning round vs clients, model size and rounds; PNG plots")
     scaling.add_arguments(bsc)
     bsc.set_defaults(func=lambda a: scaling.main(args=a))
