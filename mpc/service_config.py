@@ -99,6 +99,7 @@ class FLSection:
     round_deadline: float = 60.0     # seconds after a round opens; then it closes with whoever made it
     server_lr: float = 0.3           # eta in M_i = M_{i-1} - eta * sum_j w_j g_j (digits default)
     precision: int = 16              # fractional bits of the clients' fixed-point encoding
+    range_check: bool = True         # check every upload's range in 2PC before its round closes
 
 
 @dataclass(frozen=True)

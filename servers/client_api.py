@@ -240,7 +240,7 @@ class ClientAPI:
         return {"round": i, "kind": self.store.round_kind(i), "job": meta.get("job"),
                 "participants": parts, "weights": [w[j] for j in parts],
                 "num_samples": [int(sizes.get(str(j), 0)) for j in parts],
-                "erased": list(meta.get("erased", []))}
+                "erased": list(meta.get("erased", [])), "refused": list(meta.get("refused", []))}
 
     def _op_status(self, who: str, f: dict) -> dict:
         T = self.store.num_rounds

@@ -6,6 +6,7 @@ Server 0 sends one request at a time (``servers.peer_link``); server 1 answers:
 op               request             reply
 ===============  ==================  ===============================================
 ``state``        :class:`GetState`   :class:`PeerState` (rounds, staged uploads, jobs)
+``check_round``  :class:`CheckRound` no fields (server 1 joins the range check's session)
 ``close_round``  :class:`CloseRound` :class:`RoundShare` (server 1's share sum, digest)
 ``job_start``    :class:`JobStart`   no fields
 ``job_fail``     :class:`JobFail`    no fields
@@ -39,7 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .job_records import JobRecord
 
 __all__ = ["GetState", "PeerState", "LastRound", "JobRow", "CloseRound", "RoundShare", "JobStart",
-           "JobFail", "AdoptJob", "Confirmation", "JobReceipt", "PeerRequest", "parse_request",
+           "JobFail", "CheckRound", "AdoptJob", "Confirmation", "JobReceipt", "PeerRequest", "parse_request",
            "params_key", "MAX_JOB_ROWS", "MAX_RECEIPT_BYTES"]
 
 #: Server 1 reports at most this many of its most recent jobs.
@@ -255,6 +256,7 @@ class CloseRound:
     participants: tuple[int, ...]
     sizes: tuple[int, ...]
     share: np.ndarray = field(repr=False)
+    refused: tuple[int, ...] = ()     # clients whose upload failed the range check this round
 
     def __post_init__(self) -> None:
         parts = list(self.participants)
@@ -266,13 +268,32 @@ class CloseRound:
 
     def to_wire(self) -> dict[str, Any]:
         return {"round": self.round, "participants": list(self.participants),
-                "sizes": list(self.sizes), "share": wire.tensor(self.share)}
+                "sizes": list(self.sizes), "share": wire.tensor(self.share), "refused": list(self.refused)}
 
     @classmethod
     def from_wire(cls, msg: Any, dim: int) -> CloseRound:
         g = _fields(msg, "close_round")
         return cls(_int(g("round"), "round", 1), _int_list(g("participants"), "participants"),
-                   _int_list(g("sizes"), "sizes"), _tensor(g("share"), "share", dim))
+                   _int_list(g("sizes"), "sizes"), _tensor(g("share"), "share", dim),
+                   _int_list(g("refused"), "refused"))
+
+
+@dataclass(frozen=True)
+class CheckRound:
+    """Server 0 asks server 1 to join the range check of these uploads of the open round (a
+    2PC session; server 1 answers at once and runs its side in a thread)."""
+
+    OP: ClassVar[str] = "check_round"
+    round: int
+    participants: tuple[int, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"round": self.round, "participants": list(self.participants)}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> CheckRound:
+        g = _fields(msg, "check_round")
+        return cls(_int(g("round"), "round", 1), _int_list(g("participants"), "participants"))
 
 
 @dataclass(frozen=True, eq=False)
@@ -388,7 +409,7 @@ class JobReceipt:
         return cls(_str(g("job"), "job"), _json_map(g("receipt"), "receipt"))
 
 
-PeerRequest = GetState | CloseRound | JobStart | JobFail | AdoptJob | JobReceipt
+PeerRequest = GetState | CloseRound | CheckRound | JobStart | JobFail | AdoptJob | JobReceipt
 
 
 def parse_request(op: str, msg: Mapping[str, Any], dim: int) -> PeerRequest:
@@ -397,6 +418,8 @@ def parse_request(op: str, msg: Mapping[str, Any], dim: int) -> PeerRequest:
         return GetState()
     if op == CloseRound.OP:
         return CloseRound.from_wire(msg, dim)
+    if op == CheckRound.OP:
+        return CheckRound.from_wire(msg)
     if op == JobStart.OP:
         return JobStart.from_wire(msg)
     if op == JobFail.OP:

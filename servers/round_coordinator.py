@@ -22,6 +22,7 @@ finish or replay the round (commits are idempotent).
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -33,7 +34,8 @@ from mpc.service_config import ServiceConfig
 
 from .crash_points import checkpoint
 from .peer_link import PeerClient, PeerUnavailable
-from .peer_messages import CloseRound, GetState, JobRow, LastRound, PeerState, RoundShare
+from .peer_messages import CheckRound, CloseRound, GetState, JobRow, LastRound, PeerState, RoundShare
+from .round_checks import check_round_uploads
 from .ring_aggregation import (fedavg_weights, model_digest, next_model, open_aggregate,
                                weighted_share_sum)
 from .service_state import ServiceState
@@ -58,12 +60,19 @@ class RoundCoordinator:
     """The FL rounds of one server: leader (``peer`` given, server 0) or follower (server 1)."""
 
     def __init__(self, cfg: ServiceConfig, store: ShareStore, state: ServiceState, *,
-                 peer: PeerClient | None, stop: threading.Event) -> None:
+                 peer: PeerClient | None, stop: threading.Event,
+                 mpc_listener: socket.socket | None = None) -> None:
         self.cfg = cfg
         self.store = store
         self.state = state
         self.peer = peer
         self.stop_event = stop
+        self.mpc_listener = mpc_listener
+        # range check of the open round (fl.range_check): who failed it, and server 1's
+        # latest verdict (in memory: a restart checks again)
+        self._refused: dict[int, set[int]] = {}
+        self._passed: dict[int, set[int]] = {}
+        self._check_thread: threading.Thread | None = None
         self._wake = threading.Condition()
         self._round_opened = time.monotonic()
 
@@ -100,8 +109,11 @@ class RoundCoordinator:
         agg = open_aggregate(a0, a1, total, self.store.precision)
         return next_model(self.store.model(r - 1), agg, self.store.server_lr)
 
-    def _commit(self, r: int, model: np.ndarray, parts: list[int], sizes: dict[int, int]) -> bool:
-        meta = {"num_samples": {str(j): int(sizes[j]) for j in parts}}
+    def _commit(self, r: int, model: np.ndarray, parts: list[int], sizes: dict[int, int],
+                refused: Sequence[int] = ()) -> bool:
+        meta: dict = {"num_samples": {str(j): int(sizes[j]) for j in parts}}
+        if refused:
+            meta["refused"] = sorted(refused)
         done = self.store.commit_round(r, model, parts, fedavg_weights(sizes), meta)
         self.state.forget_rounds_before(r + 1)
         self._round_opened = time.monotonic()
@@ -122,6 +134,38 @@ class RoundCoordinator:
             last = LastRound(T, parts, tuple(s[j] for j in parts), job)
         return PeerState(T, staged, last, tuple(jobs), busy)
 
+    def follow_check(self, msg: CheckRound) -> None:
+        """Join the leader's range check of the open round, in a thread."""
+        r, parts = msg.round, list(msg.participants)
+        if r != self.store.num_rounds + 1:
+            raise ValueError(f"round {r} is not the open round {self.store.num_rounds + 1}")
+        if self._check_thread is not None and self._check_thread.is_alive():
+            raise RuntimeError("a range check is already running")
+        missing = [j for j in parts if j not in set(self.store.staged(r))]
+        if missing:
+            raise ValueError(f"clients {missing} have no staged upload for round {r} here")
+        self._passed.pop(r, None)
+
+        def run() -> None:
+            try:
+                passed = set(check_round_uploads(1, self.cfg, self.store, r, parts, self.mpc_listener))
+            except Exception:  # noqa: BLE001 - the leader's close then fails and is retried
+                log.exception("range check of round %d failed", r)
+                return
+            self._refused.setdefault(r, set()).update(set(parts) - passed)
+            self._passed[r] = passed
+        self._check_thread = threading.Thread(target=run, name=f"check-{r}", daemon=True)
+        self._check_thread.start()
+
+    def _checked_here(self, r: int, parts: list[int], refused: Sequence[int]) -> None:
+        """Server 1: the leader closes with exactly the uploads our own check passed."""
+        if self._check_thread is not None:
+            self._check_thread.join(self.cfg.limits.peer_timeout)
+        passed = self._passed.get(r)
+        if passed is None or set(parts) != passed or not set(refused) <= self._refused.get(r, set()):
+            raise ValueError(f"round {r}: participants {parts} (refused {list(refused)}) are not what "
+                             f"the range check passed here ({sorted(passed or ())})")
+
     def follow_close(self, msg: CloseRound) -> RoundShare:
         """Check the leader's round against this server's uploads, add, commit, answer."""
         r, parts, given = msg.round, list(msg.participants), msg.sizes_by_client()
@@ -138,13 +182,15 @@ class RoundCoordinator:
             differ = [j for j in parts if mine.get(j) != given[j]]
             if differ:
                 raise ValueError(f"clients {differ} reported other data sizes here")
+            if self.cfg.fl.range_check:
+                self._checked_here(r, parts, msg.refused)
         else:
             raise ValueError(f"round {r} is not the open round {T + 1}")
         a1 = self._share_sum(r, parts, given)
         model = self._round_model(r, msg.share, a1, given)
         if r == T + 1:
             checkpoint("follower-before-commit")
-            self._commit(r, model, parts, given)
+            self._commit(r, model, parts, given, msg.refused)
             log.info("round %d committed with %d participants", r, len(parts))
         return RoundShare(a1, model_digest(model))
 
@@ -206,14 +252,20 @@ class RoundCoordinator:
         r = T + 1
         mine = self.state.sizes(r)
         theirs = f.staged
-        common = sorted(j for j in self.store.staged(r) if j in theirs and mine.get(j) == theirs[j])
+        refused = self._refused.get(r, set())
+        common = sorted(j for j in self.store.staged(r)
+                        if j in theirs and mine.get(j) == theirs[j] and j not in refused)
         late = time.monotonic() >= self._round_opened + self.cfg.fl.round_deadline
-        expected = self.expected_clients()
+        expected = self.expected_clients() - len(refused)
         if len(common) >= expected or (late and len(common) >= self.cfg.fl.min_clients):
+            if self.cfg.fl.range_check:
+                passed = self._range_check(r, common)
+                if passed != common:
+                    return True   # decide again without the refused uploads
             if late and len(common) < expected:
                 log.warning("round %d: deadline passed; closing with %d of %d clients", r,
                             len(common), expected)
-            self._close_round(r, common, {j: mine[j] for j in common})
+            self._close_round(r, common, {j: mine[j] for j in common}, sorted(refused))
             return True
         if late:
             log.warning("round %d: deadline passed with %d clients at both servers (< %d); "
@@ -222,14 +274,27 @@ class RoundCoordinator:
             self._round_opened = time.monotonic()
         return False
 
-    def _close_round(self, r: int, parts: list[int], sizes: dict[int, int]) -> None:
+    def _range_check(self, r: int, parts: list[int]) -> list[int]:
+        """Both servers check these uploads in 2PC (``servers.round_checks``); the refused
+        are remembered for the round and left out of it."""
+        assert self.peer is not None
+        self.peer.call(CheckRound(r, tuple(parts)))
+        passed = check_round_uploads(0, self.cfg, self.store, r, parts, None)
+        gone = sorted(set(parts) - set(passed))
+        if gone:
+            self._refused.setdefault(r, set()).update(gone)
+            log.warning("round %d: the uploads of clients %s failed the range check; left out", r, gone)
+        return passed
+
+    def _close_round(self, r: int, parts: list[int], sizes: dict[int, int],
+                     refused: Sequence[int] = ()) -> None:
         assert self.peer is not None
         a0 = self._share_sum(r, parts, sizes)
-        msg = CloseRound(r, tuple(parts), tuple(sizes[j] for j in parts), a0)
+        msg = CloseRound(r, tuple(parts), tuple(sizes[j] for j in parts), a0, tuple(refused))
         reply = RoundShare.from_wire(self.peer.call(msg), self.store.dim)
         model = self._round_model(r, a0, reply.share, sizes)
         if reply.model_sha256 != model_digest(model):
             raise RuntimeError(f"round {r}: server 1 computed a different model; not committing")
         checkpoint("leader-before-commit")
-        if self._commit(r, model, parts, sizes):
+        if self._commit(r, model, parts, sizes, refused):
             log.info("round %d committed with %d participants", r, len(parts))

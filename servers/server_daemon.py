@@ -41,7 +41,7 @@ from .correction_tasks import TaskBoard
 from .crash_points import checkpoint, install_crash_points
 from .job_scheduler import JobScheduler
 from .peer_link import PeerClient, PeerServer
-from .peer_messages import (AdoptJob, CloseRound, GetState, JobFail, JobReceipt, JobStart,
+from .peer_messages import (AdoptJob, CheckRound, CloseRound, GetState, JobFail, JobReceipt, JobStart,
                             parse_request)
 from .round_coordinator import RoundCoordinator
 from .service_state import ServiceState
@@ -84,7 +84,8 @@ class ServerDaemon:
         else:
             self.peer = PeerClient(cfg.keys_dir, cfg.server1.peer().address,
                                    timeout=cfg.limits.peer_timeout, max_bytes=cfg.limits.max_frame_bytes)
-        self.rounds = RoundCoordinator(cfg, self.store, self.state, peer=self.peer, stop=self.stop_event)
+        self.rounds = RoundCoordinator(cfg, self.store, self.state, peer=self.peer, stop=self.stop_event,
+                                       mpc_listener=self._mpc_listener)
         self.jobs = JobScheduler(cfg, party, self.store, self.state, self.board,
                                  results_dir=self.data_dir / "results",
                                  mpc_listener=self._mpc_listener, peer=self.peer, stop=self.stop_event)
@@ -143,6 +144,9 @@ class ServerDaemon:
             return self.rounds.peer_state(self.jobs.rows(), self.jobs.running).to_wire()
         if isinstance(req, CloseRound):
             return self.rounds.follow_close(req).to_wire()
+        if isinstance(req, CheckRound):
+            self.rounds.follow_check(req)
+            return {}
         if isinstance(req, JobStart):
             self.jobs.follow_start(req)
         elif isinstance(req, JobFail):

@@ -30,6 +30,7 @@ def dep(tmp_path_factory):
         "fl": {"rounds": 3, "clients_expected": 2, "round_deadline": 1.0},
         "limits": {"request_burst": BURST, "requests_per_second": RATE}})
     try:
+        d.start("dealer", ["dealer"])   # the range check of every round runs in 2PC
         d.start_server(1)
         d.start_server(0)
         d.wait_ready()
@@ -38,9 +39,15 @@ def dep(tmp_path_factory):
         d.close()
 
 
-def _upload(c, party: int, r: int, n: int, dim: int) -> dict:
-    g = share(np.linspace(-1, 1, dim), compress=True)
-    nn, dd = share(np.array(2.0), compress=True), share(np.array(0.5), compress=True)
+def _split(dim: int) -> tuple:
+    """One honest upload's shares (the same split must go to both servers)."""
+    g = np.linspace(-1, 1, dim)    # the range check also compares ||g|| with the reported norm
+    return (share(g, compress=True), share(np.array(np.linalg.norm(g)), compress=True),
+            share(np.array(0.5), compress=True))
+
+
+def _upload(c, party: int, r: int, n: int, dim: int, split: tuple | None = None) -> dict:
+    g, nn, dd = split or _split(dim)
     if party == 0:
         fields = {"update": {"seed": g.seed0}, "norm": {"seed": nn.seed0}, "delta": {"seed": dd.seed0}}
     else:
@@ -100,8 +107,9 @@ def test_a_client_has_one_pending_job_at_a_time(dep):
     with dep.client("client-2", 0) as c, dep.client("client-2", 1) as c1, dep.client("admin", 0) as admin:
         dim = c.call("state")["dim"]
         if c.call("state")["T"] == 0:   # client 2 must have taken part in a committed round
-            _upload(c, 0, 1, 10, dim)
-            _upload(c1, 1, 1, 10, dim)  # fresh shares: only the round's presence matters here
+            split = _split(dim)
+            _upload(c, 0, 1, 10, dim, split)
+            _upload(c1, 1, 1, 10, dim, split)
             deadline = time.monotonic() + 30
             while c.call("state")["T"] < 1 or c1.call("state")["T"] < 1:
                 assert time.monotonic() < deadline, dep.log("server0")
@@ -122,3 +130,35 @@ def test_private_files_of_a_running_server_are_private(dep):
         assert (data / "ready.json").stat().st_mode & 0o777 == 0o600
         assert data.stat().st_mode & 0o777 == 0o700
         assert (data / "service.sqlite3").stat().st_mode & 0o077 == 0
+
+
+def test_an_upload_out_of_range_is_left_out_and_the_round_closes_without_it(dep):
+    """Shares adding up to 2**62 per coordinate (each share alone uniform) used to be
+    aggregated: the model's largest weight went to 2.1e13. Now the 2PC range check opens
+    one bit for that client, the round closes with the honest client only, and says so."""
+    rng = np.random.default_rng(5)
+    with dep.client("client-1", 0) as a1, dep.client("client-1", 1) as b1, \
+            dep.client("client-3", 0) as a3, dep.client("client-3", 1) as b3:
+        st = a1.call("state")
+        r, dim = st["T"] + 1, st["dim"]
+        before = wire.decode_tensor(a1.call("get_model")["model"], "model", ("<f8",), (dim,))
+        g, nn, dd = _split(dim)                                 # honest: one split, both shares
+        a1.call("upload", round=r, num_samples=10, update={"seed": g.seed0}, norm={"seed": nn.seed0},
+                delta={"seed": dd.seed0})
+        b1.call("upload", round=r, num_samples=10, update=wire.tensor(g.share1),
+                norm=wire.tensor(nn.share1), delta=wire.tensor(dd.share1))
+        evil0 = rng.integers(-2**63, 2**63 - 1, size=dim, dtype=np.int64)
+        evil1 = (np.full(dim, 2**62, dtype=np.int64) - evil0)   # wraps: sum = 2**62 per coordinate
+        n0, d0 = share(np.array(1.0)), share(np.array(0.1))
+        a3.call("upload", round=r, num_samples=10, update=wire.tensor(evil0),
+                norm=wire.tensor(n0.share0), delta=wire.tensor(d0.share0))
+        b3.call("upload", round=r, num_samples=10, update=wire.tensor(evil1),
+                norm=wire.tensor(n0.share1), delta=wire.tensor(d0.share1))
+        deadline = time.monotonic() + 60
+        while a1.call("state")["T"] < r or b1.call("state")["T"] < r:
+            assert time.monotonic() < deadline, dep.log("server0") + dep.log("server1")
+            time.sleep(0.2)
+        info = a1.call("round_info", round=r)
+        assert info["participants"] == [1] and info["refused"] == [3]
+        after = wire.decode_tensor(a1.call("get_model")["model"], "model", ("<f8",), (dim,))
+        assert np.abs(after - before).max() < 10.0    # no 2**62-sized step

@@ -37,6 +37,7 @@ def test_sigkill_during_upload_and_aggregation_loses_and_duplicates_nothing(tmp_
     runs = {p: list(PLAN[p]) for p in (0, 1)}
     kills = {0: 0, 1: 0}
     try:
+        dep.start("dealer", ["dealer"])   # every round's range check runs in 2PC
         for p in (1, 0):
             dep.start_server(p, runs[p].pop(0))
         dep.wait_ready()

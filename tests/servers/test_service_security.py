@@ -32,6 +32,7 @@ def dep(tmp_path_factory):
         "fl": {"rounds": 3, "clients_expected": 2, "round_deadline": 1.0},
         "limits": {"max_message_bytes": LIMIT, "max_frame_bytes": HARD_CAP}})
     try:
+        d.start("dealer", ["dealer"])   # the range check of every round runs in 2PC
         d.start_server(1)
         d.start_server(0)
         d.wait_ready()
@@ -42,7 +43,7 @@ def dep(tmp_path_factory):
 
 def _valid_upload(dim: int, party: int, seed_shares: bool = True) -> dict:
     g = share(np.linspace(-1, 1, dim), compress=True)
-    n = share(np.array(2.0), compress=True)
+    n = share(np.array(np.linalg.norm(np.linspace(-1, 1, dim))), compress=True)
     d = share(np.array(0.5), compress=True)
     if party == 0 and seed_shares:
         return {"update": {"seed": g.seed0}, "norm": {"seed": n.seed0}, "delta": {"seed": d.seed0}}
@@ -139,7 +140,8 @@ def _close_round_one(dep) -> None:
         st = a.call("state")
         if st["T"] == 0:
             g = share(np.ones(st["dim"]), compress=True)
-            n, d = share(np.array(1.0), compress=True), share(np.array(0.1), compress=True)
+            n = share(np.array(np.sqrt(st["dim"])), compress=True)    # ||g||, as the range check wants
+            d = share(np.array(0.1), compress=True)
             a.call("upload", round=1, num_samples=40, update={"seed": g.seed0},
                    norm={"seed": n.seed0}, delta={"seed": d.seed0})
             b.call("upload", round=1, num_samples=40, update=wire.tensor(g.share1),
