@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -162,3 +163,18 @@ def test_an_upload_out_of_range_is_left_out_and_the_round_closes_without_it(dep)
         assert info["participants"] == [1] and info["refused"] == [3]
         after = wire.decode_tensor(a1.call("get_model")["model"], "model", ("<f8",), (dim,))
         assert np.abs(after - before).max() < 10.0    # no 2**62-sized step
+
+
+def test_a_far_future_nonce_and_a_float_version_are_refused_by_the_daemon(dep):
+    """A nonce of 2**63-1 used to be accepted and lock the identity out for good; a version
+    of 1.0 passed as 1."""
+    with dep.client("client-3", 1) as c:
+        msg = {"v": 1, "op": "unlearn", "id": b"\x01" * 16, "job": "far-future", "nonce": 2**63 - 1}
+        reply = c.send_raw(msgpack.packb(msg, use_bin_type=True))
+        assert reply["ok"] is False and reply["error"]["code"] == "bad_request"
+        assert "ahead of this server's clock" in reply["error"]["message"]
+        reply = c.send_raw(msgpack.packb({"v": 1.0, "op": "state", "id": b"\x02" * 16}, use_bin_type=True))
+        assert reply["ok"] is False and reply["error"]["code"] == "version"
+        with pytest.raises(ServiceError) as e:     # a normal nonce still passes the replay check:
+            c.call("unlearn", job="after-far-future")
+        assert e.value.code == "not_found"       # (client 3 took part in no round), not "replay"
