@@ -3,8 +3,7 @@
 One FL history (3 clients, 8 rounds) is trained once and copied for every scenario. In each,
 client 0 asks to be forgotten and one process is SIGKILLed at a chosen moment: a server at a
 named step of Stage II (``STARFISH_CRASH_AT=job-step-<step>[:n]``, ``servers/crash_points.py``)
-or inside its adoption, the dealer or the client simulator from outside while the replay
-runs. The killed process is restarted. Then, whatever was killed:
+or inside its adoption. The killed process is restarted. Then, whatever was killed:
 
 * the job is ``done`` at both servers, adopted exactly once (round 9 is the only unlearning
   round, and its model is the job's result) and client 0 is erased once (one erasure
@@ -12,6 +11,12 @@ runs. The killed process is restarted. Then, whatever was killed:
 * the model equals the plaintext Stage II on the twin history (same selected rounds, within
   1e-3), i.e. what an uninterrupted run computes (``test_service_e2e.py``);
 * a crash inside the run cost a run (attempts >= 2); a crash during adoption did not.
+
+Killing the dealer or the simulator from outside is not in this file: on this machine the whole
+job takes about a second, so no moment inside it can be hit reliably from outside (a progress
+threshold was missed in CI, and a kill right after the request raced the job's end). They
+need a crash seam of their own (as the servers have); ``tests/mpc/test_dead_peer.py`` covers a
+killed dealer at the session level.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import pytest
 import torch
 
 from clients.simulator import build_federation
-from mpc import wire
+from clients.share_seeds import share_seed
+from mpc import tls, wire
 from protocols.starfish import run_stage2
 from servers.lab.history import NpzHistory
 from servers.share_store import ShareStore
@@ -44,15 +50,13 @@ N, ROUNDS = 3, 8
 SCENARIOS = {
     "server1-TD": ("server1", "job-step-TD"),
     "server0-RS": ("server0", "job-step-RS"),
-    "dealer-replay": ("dealer", 0.3),
     "server1-UE": ("server1", "job-step-UE:2"),
     "server0-TC": ("server0", "job-step-TC:2"),
-    "clients-correction": ("clients", 0.3),
     "server1-aggregate": ("server1", "job-step-aggregate:3"),
     "server1-adoption": ("server1", "adopt-in-transaction"),
     "server0-adoption": ("server0", "leader-after-peer-adopted"),
 }
-IN_RUN = {"server1-TD", "server0-RS", "dealer-replay", "server1-UE", "server0-TC", "server1-aggregate"}
+IN_RUN = {"server1-TD", "server0-RS", "server1-UE", "server0-TC", "server1-aggregate"}
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +92,14 @@ def _copy(trained_root: Path, dest: Path) -> Deployment:
     return Deployment.open_existing(dest)
 
 
-def _progress(dep: Deployment) -> float:
-    try:
-        with dep.client("admin", 0, connect_timeout=1.0) as c:
-            jobs = c.call("status")["jobs"]
-    except Exception:  # noqa: BLE001 - a server restarting: no progress to report
-        return 0.0
-    return max((j["progress"] for j in jobs if j["state"] == "running"), default=0.0)
+def _request_unlearning(dep: Deployment) -> None:
+    """Client 0's request with the id the simulator derives from its key (so the simulator,
+    started later with ``--unlearn 0``, repeats the same request instead of adding one)."""
+    key = tls.identity(dep.cfg.keys_dir, "client-0").key.read_bytes()
+    job = f"unlearn-0-{share_seed(key, 'unlearn-request').hex()[:12]}"
+    for p in (0, 1):
+        with dep.client("client-0", p) as c:
+            c.call("unlearn", job=job)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -110,19 +115,23 @@ def test_a_killed_process_does_not_change_the_result(trained, tmp_path, name):
         dep.wait_ready()
         sim_args = ["clients", "--n", str(N), "--unlearn", "0", "--summary", str(dep.root / "summary.json"),
                     "--max-seconds", "400"]
-        dep.start("clients", sim_args)
-        proc = dep.procs.procs[victim]
         deadline = time.monotonic() + 300
-        if crash is None:   # kill from outside once the replay is under way
-            while _progress(dep) < how:
-                assert time.monotonic() < deadline, dep.log("server0")
-                time.sleep(0.1)
+        if crash is None:   # kill from outside once client 0's request is recorded
+            _request_unlearning(dep)
+            if victim == "clients":
+                dep.start("clients", sim_args)
+                time.sleep(0.5)   # it is answering, or about to; then it dies
+        else:
+            dep.start("clients", sim_args)
+        proc = dep.procs.procs[victim]
+        if crash is None:
             proc.send_signal(signal.SIGKILL)
         assert proc.wait(max(1.0, deadline - time.monotonic())) == -signal.SIGKILL, dep.log(victim)
         if victim == "clients":
             dep.start("clients", sim_args)
         elif victim == "dealer":
             dep.start("dealer", ["dealer"])
+            dep.start("clients", sim_args)
         else:
             dep.start_server(int(victim[-1]))
             dep.wait_ready()
