@@ -357,6 +357,12 @@ class Channel:
         thread-safe, so a side that is not receiving can still poll for a dead peer."""
         return self._reader_stopped.is_set() or self._closed is not None
 
+    @property
+    def hosts(self) -> tuple[str, str]:
+        """(this side's address, the peer's address) of the connection: where a second link
+        between the same two hosts (the two-party engine's) can listen and be reached."""
+        return self._sock.getsockname()[0], self._sock.getpeername()[0]
+
     def _check_open(self) -> None:
         if self._closed is not None:
             raise PeerDisconnected(f"{self.label}: connection already lost: {self._closed.cause!r}")

@@ -33,7 +33,7 @@ import torch
 from . import tls
 from .channel import NO_LINK, LinkProfile, listen
 from .dealer import DealerServer
-from .session import open_party
+from .session import OFFLINE_MODES, open_party
 
 _KEYS_DIR: str | None = None
 _KEYS_LOCK = threading.Lock()
@@ -143,6 +143,7 @@ def run_parties(
     fn: Callable,
     *args: Any,
     provider: str = "dealer",
+    offline: str = "dealer",
     link: LinkProfile = NO_LINK,
     dealer_link: LinkProfile = NO_LINK,
     timeout: float = 120.0,
@@ -157,8 +158,11 @@ def run_parties(
 ) -> PartyResults:
     """Run ``fn(party, *args, **kwargs)`` as both parties; see the module docstring.
 
-    provider: "dealer" (default; correlated randomness from a dealer process) or "tfp"
-        (CrypTen's trusted-first-party provider: party 0 knows every triple; tests only).
+    offline: "dealer" (default: correlated randomness from a third process, the dealer) or
+        "two-party" (no dealer: the two parties make everything between themselves with the
+        two-party engine, ``mpc.spu_engine``; no third process is started).
+    provider: "dealer" (default: as ``offline`` says) or "tfp" (CrypTen's trusted-first-party
+        provider: party 0 knows every triple; tests only).
     link: emulated server<->server link (latency, bandwidth); dealer_link likewise.
     plan: a request list recorded by an earlier run (``results.plans[0]``); the dealer
         material for it is fetched before ``fn`` runs, metered as step "prefill".
@@ -171,7 +175,9 @@ def run_parties(
     keys_dir: a key directory (``starfish keys init``); default: a throw-away one for this run.
     ticket: the session ticket both parties present (see ``mpc.session.open_party``).
     """
-    prov = {"dealer": "STARFISH_DEALER", "tfp": "TFP"}.get(provider)
+    if offline not in OFFLINE_MODES:
+        raise ValueError(f"offline must be one of {sorted(OFFLINE_MODES)}, not {offline!r}")
+    prov = {"dealer": OFFLINE_MODES[offline], "tfp": "TFP"}.get(provider)
     if prov is None:
         raise ValueError(f"provider must be 'dealer' or 'tfp', not {provider!r}")
     ctx = mp_context()

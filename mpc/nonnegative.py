@@ -23,7 +23,9 @@ used bits, so small calls pay per element too); offline 8 bytes (r) + 14.75 byte
 convention), like CrypTen's comparison. Reveals c (uniform), the AND openings (one-time
 pads) and e (uniform), i.e. nothing; the result stays shared.
 
-The provider must offer ``edabits`` (our dealer and the test-only TFP do).
+The provider must offer ``edabits`` (our dealer and the test-only TFP do). In two-party mode the
+provider offers the whole operation instead (``nonnegative_share``, ``below_power_of_two_share``:
+``mpc.two_party_provider``), and these functions hand the shares to it.
 
 ``below_power_of_two(x, k)`` reuses the same masked opening for a *window* test, [x < 2**k]
 with x read as an unsigned ring element (``protocols.upload_range`` shifts a range
@@ -159,6 +161,8 @@ def nonnegative(x):
     n = flat.numel()
     if n == 0:  # nothing to compare: no material, no rounds (the dealer refuses empty requests)
         return crypten.mpc.MPCTensor.from_shares(torch.zeros(shape, dtype=torch.long), precision=0)
+    if hasattr(provider, "nonnegative_share"):   # two-party mode: the engine compares
+        return crypten.mpc.MPCTensor.from_shares(provider.nonnegative_share(share), precision=0)
     r, r_planes = provider.edabits((n,), 64)
     c = comm.all_reduce(flat + r)
     c_planes = bitplanes.to_planes(c)
@@ -208,6 +212,8 @@ def below_power_of_two(x, k: int):
     n = flat.numel()
     if n == 0:
         return crypten.mpc.MPCTensor.from_shares(torch.zeros(shape, dtype=torch.long), precision=0)
+    if hasattr(provider, "below_power_of_two_share"):   # two-party mode: the engine compares
+        return crypten.mpc.MPCTensor.from_shares(provider.below_power_of_two_share(share, k), precision=0)
     r, r_planes = provider.edabits((n,), 64)
     c = comm.all_reduce(flat + r)
     c_planes = bitplanes.to_planes(c)

@@ -23,12 +23,29 @@ from .dealer_provider import NAME as DEALER, DealerProvider
 from .encoding import DEFAULT_PRECISION
 from .peer_accept import accept_peer, check_ticket, connect_peer
 from .tfp import TestOnlyTFP
-from .truncation import truncate_share
+from .truncation import RANGE_BITS, truncate_share
+from .two_party_provider import NAME as TWO_PARTY, TwoPartyProvider
 
 TFP = "TFP"
+#: what ``offline=`` means: where the correlated randomness of a session comes from
+OFFLINE_MODES = {"dealer": DEALER, "two-party": TWO_PARTY}
 _provider = DealerProvider()
+_two_party = TwoPartyProvider()
 cc.register_provider(DEALER, _provider)
+cc.register_provider(TWO_PARTY, _two_party)
 cc.register_provider(TFP, TestOnlyTFP())  # CrypTen's TFP plus edabits; still refused by default
+
+
+def _engine_truncation(share, d):
+    """Two-party mode's truncation (in the engine), with the range checks of ``mpc.truncation``."""
+    if share.numel() == 0:
+        return share.clone()
+    if torch.is_tensor(d) and d.dim() > 0:
+        if bool((d < 0).any()) or bool((d > RANGE_BITS).any()):
+            raise ValueError(f"truncation exponents must be in 0..{RANGE_BITS}")
+    elif not 1 <= int(d) <= RANGE_BITS:
+        raise ValueError(f"truncation by d bits needs 1 <= d <= {RANGE_BITS}, got {d}")
+    return _two_party.truncate_share(share, d)
 
 
 class InsecureProviderError(RuntimeError):
@@ -45,6 +62,12 @@ class Party:
     provider_name: str
     dealer: DealerLink | None = None
     extras: dict = field(default_factory=dict)
+    engine: object | None = None   # the two-party engine (``mpc.spu_engine``) in two-party mode
+
+    @property
+    def offline(self) -> str:
+        """"dealer", "two-party" or "tfp" (tests): where this session's correlations come from."""
+        return {DEALER: "dealer", TWO_PARTY: "two-party"}.get(self.provider_name, "tfp")
 
     def meter(self, name: str):
         """``with party.meter("TD"): ...`` attributes traffic and time to step ``name``."""
@@ -87,6 +110,9 @@ class Party:
         if self.dealer is not None:
             _provider.detach()
             self.dealer.close()
+        if self.engine is not None:
+            _two_party.detach()
+            self.engine.close()
         self.channel.close()
         TwoPartyCommunicator.shutdown()
         metering.set_current(None)
@@ -124,7 +150,7 @@ def open_party(
         raise InsecureProviderError(
             "the TFP provider lets party 0 know every triple; it is for unit tests only"
         )
-    if provider not in (DEALER, TFP):
+    if provider not in (DEALER, TFP, TWO_PARTY):
         raise ValueError(f"unknown provider {provider!r}")
     wire_ticket = check_ticket(ticket)
     ident = tls.identity(keys_dir, tls.PARTY_NAMES[rank])
@@ -132,6 +158,7 @@ def open_party(
     metering.set_current(meter)
     ch: Channel | None = None
     dch: Channel | None = None
+    engine = None
     try:
         with meter.step("setup"):
             if rank == 1:
@@ -162,10 +189,20 @@ def open_party(
                                       kind="offline", meter=meter, link=dealer_link, timeout=timeout)
                 dealer = DealerLink(dch, rank, session_id)
                 _provider.attach(rank, dealer)
+            wrapfree = truncate_share
+            if provider == TWO_PARTY:
+                from .spu_engine import SpuEngine  # imports jax and SPU: only in this mode
+
+                engine = SpuEngine(rank, ch, meter, link=link, timeout=timeout)
+                _two_party.attach(engine)
+                wrapfree = _engine_truncation
             cc.use_provider(provider)
-            cc.replace_local_truncation(truncate_share if truncation == "wrapfree" else None)
+            cc.replace_local_truncation(wrapfree if truncation == "wrapfree" else None)
     except BaseException:
         # a half-open session would keep the peer waiting on a live socket until its timeout
+        if engine is not None:
+            engine.close()
+        _two_party.detach()
         for c in (dch, ch):
             if c is not None:
                 c.close()
@@ -173,4 +210,4 @@ def open_party(
         TwoPartyCommunicator.shutdown()
         metering.set_current(None)
         raise
-    return Party(rank, ch, meter, provider, dealer, {"session_id": session_id.hex()})
+    return Party(rank, ch, meter, provider, dealer, {"session_id": session_id.hex()}, engine)

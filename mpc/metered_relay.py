@@ -1,0 +1,214 @@
+"""A TCP forwarder that meters what crosses it and applies an emulated link.
+
+Why: the two-party engine (``mpc.spu_engine``) talks over its library's own sockets, which our
+meter cannot see and our link emulation does not touch. Each party therefore routes that link
+through two of these relays on loopback: one in front of its own listener (what the peer sends
+in) and one in front of the peer's (what it sends out). Every byte is counted where it meets a
+socket, TLS records included, so the meter holds the bytes on the wire; the direction of each
+pump says whether a byte was sent or received.
+
+Link emulation is on the receiving pumps only (as in ``mpc.link``): a chunk read at ``t`` is
+written on at ``max(t, link free) + bytes x 8 / bandwidth + latency`` by a second thread, so
+chunks in flight overlap as on a FIFO link. A round is counted when this party sends after it
+has received (or when a meter step opened since), as ``mpc.channel`` counts them.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import threading
+import time
+from typing import Callable
+
+from .link import NO_LINK, LinkProfile
+from .metering import Meter
+
+__all__ = ["RelayPair", "Relay"]
+
+_CHUNK = 1 << 16
+
+
+class _RoundState:
+    """Shared by a party's relays: has it received since it last sent?"""
+
+    def __init__(self, meter: Meter, kind: Callable[[], str]):
+        self.meter = meter
+        self.kind = kind
+        self.lock = threading.Lock()
+        self.received = True
+        self.epoch = -1
+        self.sent_total = 0
+        self.received_total = 0
+
+    def on_sent(self, n: int) -> None:
+        kind = self.kind()
+        with self.lock:
+            if self.received or self.epoch != self.meter.epoch:
+                self.meter.round(kind)
+                self.received, self.epoch = False, self.meter.epoch
+            self.sent_total += n
+        self.meter.sent(kind, n)
+        self.meter.wire(kind, sent=n)
+
+    def on_received(self, n: int) -> None:
+        kind = self.kind()
+        with self.lock:
+            self.received = True
+            self.received_total += n
+        self.meter.received(kind, n)
+        self.meter.wire(kind, received=n)
+
+
+class Relay:
+    """Accepts on a loopback port and forwards every connection to ``target``."""
+
+    def __init__(self, target: tuple[str, int], state: _RoundState, *, inbound: bool,
+                 link: LinkProfile = NO_LINK, host: str = "127.0.0.1", port: int = 0):
+        self._target = target
+        self._state = state
+        self._inbound = inbound   # True: the accepted side is the peer (what it sends is received)
+        self._link = link
+        self._stop = threading.Event()
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._listener = socket.create_server((host, port), backlog=64)
+        self._thread = threading.Thread(target=self._accept, name="relay-accept", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._listener.getsockname()[:2]
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                out = socket.create_connection(self._target, timeout=10)
+                out.settimeout(None)
+            except OSError:
+                conn.close()
+                continue
+            for s in (conn, out):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._socks += [conn, out]
+            # the accepted side of an inbound relay is the peer: its bytes are received here
+            self._pump(conn, out, received=self._inbound)
+            self._pump(out, conn, received=not self._inbound)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, *, received: bool) -> None:
+        if received and self._link.emulated:
+            queue: collections.deque = collections.deque()
+            ready = threading.Condition()
+            threading.Thread(target=self._read, args=(src, dst, queue, ready), daemon=True,
+                             name="relay-read").start()
+            threading.Thread(target=self._deliver, args=(dst, src, queue, ready), daemon=True,
+                             name="relay-deliver").start()
+        else:
+            threading.Thread(target=self._copy, args=(src, dst, received), daemon=True,
+                             name="relay-copy").start()
+
+    def _count(self, n: int, received: bool) -> None:
+        (self._state.on_received if received else self._state.on_sent)(n)
+
+    def _copy(self, src: socket.socket, dst: socket.socket, received: bool) -> None:
+        try:
+            while True:
+                data = src.recv(_CHUNK)
+                if not data:
+                    break
+                self._count(len(data), received)
+                dst.sendall(data)
+        except OSError:
+            pass
+        _close(src, dst)
+
+    def _read(self, src, dst, queue, ready) -> None:
+        free = 0.0
+        try:
+            while True:
+                data = src.recv(_CHUNK)
+                now = time.monotonic()
+                if not data:
+                    break
+                done = max(now, free) + self._link.transfer_time(len(data))
+                free = done
+                with ready:
+                    queue.append((done + self._link.latency, data))
+                    ready.notify()
+        except OSError:
+            pass
+        with ready:
+            queue.append((0.0, None))
+            ready.notify()
+
+    def _deliver(self, dst, src, queue, ready) -> None:
+        try:
+            while True:
+                with ready:
+                    while not queue:
+                        ready.wait()
+                    due, data = queue.popleft()
+                if data is None:
+                    break
+                wait = due - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                self._count(len(data), True)
+                dst.sendall(data)
+        except OSError:
+            pass
+        _close(src, dst)
+
+    def close(self) -> None:
+        self._stop.set()
+        _close(self._listener)
+        with self._lock:
+            _close(*self._socks)
+
+
+class RelayPair:
+    """A party's two relays: ``inbound`` faces the peer (forwards to our own listener),
+    ``outbound`` is what our library dials to reach the peer's inbound relay."""
+
+    def __init__(self, meter: Meter, kind: Callable[[], str], link: LinkProfile = NO_LINK,
+                 listen_host: str = "127.0.0.1"):
+        self.state = _RoundState(meter, kind)
+        self._link = link
+        self._listen_host = listen_host
+        self.inbound: Relay | None = None
+        self.outbound: Relay | None = None
+
+    def open_inbound(self, own_listener: tuple[str, int]) -> tuple[str, int]:
+        self.inbound = Relay(own_listener, self.state, inbound=True, link=self._link, host=self._listen_host)
+        return self.inbound.address
+
+    def open_outbound(self, peer_inbound: tuple[str, int]) -> tuple[str, int]:
+        self.outbound = Relay(peer_inbound, self.state, inbound=False, link=self._link)
+        return self.outbound.address
+
+    @property
+    def totals(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) through both relays so far."""
+        return self.state.sent_total, self.state.received_total
+
+    def close(self) -> None:
+        for r in (self.inbound, self.outbound):
+            if r is not None:
+                r.close()
+
+
+def _close(*socks) -> None:
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            s.close()
+        except OSError:
+            pass

@@ -1,0 +1,137 @@
+"""CrypTen tuple provider of the two-party (dealer-free) mode: everything made between the servers.
+
+Where the dealer provider takes correlated randomness from a third party, this one makes each
+piece with the other server through the two-party engine (``mpc.spu_engine``, CHEETAH):
+
+* Beaver triples (``mul``, ``matmul``) and squares: each party draws its shares of a and b
+  from its own PRG, and the engine computes shares of c = a op b (lattice HE for the cross
+  terms). The online protocol that consumes them is unchanged.
+* Comparisons (``mpc.nonnegative``: the sign and window tests) and truncations are not built
+  from dealer-style pieces here (an edabit and 118 AND triples per element would cost far more
+  to make between two parties than the operation itself): the engine does the whole operation
+  on the shares (``nonnegative_share``, ``below_power_of_two_share``, ``truncate_share``).
+* What our protocols never ask for in this mode (binary triples, edabits, truncation pairs,
+  CrypTen's own wrap and B2A randomness) is refused with a clear error rather than faked.
+
+Security: nothing leaves a party but what the engine's protocol sends, and each party's PRG seed
+is its own; no party, and no third one, knows both shares of anything.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .crypten_compat import ArithmeticSharedTensor as AST
+from .crypten_compat import TupleProviderBase
+from .prg import Prg, new_seed
+
+NAME = "STARFISH_TWO_PARTY"
+
+__all__ = ["TwoPartyProvider", "NAME", "NotInTwoPartyMode"]
+
+
+class NotInTwoPartyMode(RuntimeError):
+    """A correlation that the two-party mode does not make (no protocol of ours needs it)."""
+
+
+def _shape(size) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in size)
+    except TypeError:
+        return (int(size),)
+
+
+def _mul(a, b):
+    return a * b
+
+
+def _matmul(a, b):
+    import jax.numpy as jnp  # only reached in two-party mode, where the engine imported jax
+
+    return jnp.matmul(a, b)
+
+
+_OPS = {"mul": _mul, "matmul": _matmul}
+
+
+class TwoPartyProvider(TupleProviderBase):
+    NAME = NAME
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine = None
+        self._seed = b""
+        self._index = 0
+
+    def attach(self, engine) -> None:
+        self.engine, self._seed, self._index = engine, new_seed(), 0
+
+    def detach(self) -> None:
+        self.engine = None
+
+    def _require(self):
+        if self.engine is None:
+            raise RuntimeError("two-party provider used outside a two-party session")
+        return self.engine
+
+    def _random(self, *shapes) -> list[np.ndarray]:
+        g = Prg(self._seed, self._index)
+        self._index += 1
+        return [g.ring(s) for s in shapes]
+
+    # ---------------------------------------------------------------- CrypTen's interface
+    def generate_additive_triple(self, size0, size1, op, device=None, *args, **kwargs):
+        engine = self._require()
+        if op not in _OPS or args or kwargs:
+            raise NotInTwoPartyMode(f"Beaver triples for {op!r} are not made in two-party mode")
+        a, b = self._random(_shape(size0), _shape(size1))
+        c = engine.product(f"triple-{op}", _OPS[op], a, b)
+        return tuple(AST.from_shares(torch.from_numpy(t), precision=0) for t in (a, b, c))
+
+    def square(self, size, device=None):
+        engine = self._require()
+        (r,) = self._random(_shape(size))
+        r2 = engine.product("square", _mul, r, r)
+        return AST.from_shares(torch.from_numpy(r), precision=0), AST.from_shares(torch.from_numpy(r2), precision=0)
+
+    def generate_binary_triple(self, size0, size1, device=None):
+        raise NotInTwoPartyMode("binary triples are not made in two-party mode: comparisons run in the engine")
+
+    def wrap_rng(self, size, device=None):
+        raise NotInTwoPartyMode("CrypTen's wrap randomness is not made in two-party mode")
+
+    def B2A_rng(self, size, device=None):
+        raise NotInTwoPartyMode("CrypTen's B2A randomness is not made in two-party mode: comparisons "
+                                "run in the engine (mpc.nonnegative)")
+
+    def edabits(self, size, bits: int):
+        raise NotInTwoPartyMode("edabits are not made in two-party mode: comparisons run in the engine")
+
+    def trunc_pairs(self, size, lo: int, hi: int):
+        raise NotInTwoPartyMode("truncation pairs are not made in two-party mode: truncations run in the engine")
+
+    # ---------------------------------------------------------------- whole operations
+    def nonnegative_share(self, share: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self._require().nonnegative(share.numpy()))
+
+    def below_power_of_two_share(self, share: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.from_numpy(self._require().below_power_of_two(share.numpy(), k))
+
+    def floor_share(self, share: torch.Tensor, d: int) -> torch.Tensor:
+        """This party's share of floor(x / 2**d), exactly (``mpc.exact_truncation``'s contract)."""
+        return torch.from_numpy(self._require().floor(share.numpy(), int(d)))
+
+    def truncate_share(self, share: torch.Tensor, d) -> torch.Tensor:
+        """This party's share of x / 2**d for an int d, or a public tensor of exponents (0: kept)."""
+        engine = self._require()
+        if not (torch.is_tensor(d) and d.dim() > 0):
+            return torch.from_numpy(engine.truncate(share.numpy(), int(d)))
+        exps = d.expand(share.shape).to(torch.long)
+        out = share.clone()
+        for e in torch.unique(exps).tolist():   # public exponents: one engine call per value
+            if e == 0:
+                continue
+            where = exps == e
+            out[where] = torch.from_numpy(engine.truncate(share[where].numpy(), int(e)))
+        return out
