@@ -27,6 +27,12 @@ method), so every call of ``UE`` in a Stage II asks for the same list, and so do
 Runs: *record*, *compute* (prefetched, no emulated link: each online step's seconds are its
 compute time on loopback) and *link* (prefetched, with the profile's link on the server link
 and the dealer link). Schedules and compute runs are cached on disk (:func:`measure`).
+
+Two-party mode (``--offline two-party``): there is no dealer and nothing to record or prefetch.
+The servers make each step's correlations between themselves while the step runs (the engine's
+products, metered as the step's *offline* bytes: one link, so server 0's count, both
+directions), and the engine's comparisons and truncations are the step's online bytes. A
+step's seconds therefore include making its correlations; its offline seconds are 0.
 """
 
 from __future__ import annotations
@@ -239,6 +245,7 @@ class Runs:
     compute: Any | None          # PartyResults, prefetched, no link (None when skipped)
     link: Any | None             # PartyResults, prefetched, with the profile's link
     seconds: dict = field(default_factory=dict)
+    offline: str = "dealer"      # "dealer" or "two-party" (see the module docstring)
 
 
 def _log(msg: str) -> None:
@@ -249,7 +256,7 @@ def run_three(fn: Callable, args: tuple, *, link=None, schedule_path: str | os.P
               reuse_schedule: bool = True, compute_results: Any | None = None, timeout: float = 3600.0,
               party_args: tuple[tuple, tuple] = ((), ()), label: str = "",
               record: tuple[Callable, tuple] | None = None, aliases: dict[str, str] | None = None,
-              skip_compute: bool = False) -> Runs:
+              skip_compute: bool = False, offline: str = "dealer") -> Runs:
     """Record (or load) the schedule, then the compute run and, given ``link``, the link run.
 
     ``fn(party, *args, schedule, *own_args)`` must call :func:`instrument` and return a dict
@@ -261,7 +268,9 @@ def run_three(fn: Callable, args: tuple, *, link=None, schedule_path: str | os.P
     secs: dict[str, float] = {}
     schedule = None
     recorded = None
-    if schedule_path is not None and reuse_schedule and Path(schedule_path).exists():
+    if offline == "two-party":
+        schedule = Schedule({}, meta={"offline": "two-party: no dealer, nothing recorded or prefetched"})
+    elif schedule_path is not None and reuse_schedule and Path(schedule_path).exists():
         schedule = Schedule.load(schedule_path)
         _log(f"{label}: reusing the recorded dealer schedule {schedule_path} "
              f"({schedule.num_requests} requests)")
@@ -289,7 +298,7 @@ def run_three(fn: Callable, args: tuple, *, link=None, schedule_path: str | os.P
         _log(f"{label}: compute run (material prefetched per step, no emulated link) ...")
         secs["compute_load_before"] = os.getloadavg()
         t0 = time.perf_counter()
-        compute = run_parties(fn, *args, schedule, timeout=timeout, party_args=party_args)
+        compute = run_parties(fn, *args, schedule, timeout=timeout, party_args=party_args, offline=offline)
         secs["compute"] = time.perf_counter() - t0
         secs["compute_load_after"] = os.getloadavg()
         _log(f"{label}: compute run took {secs['compute']:.1f}s")
@@ -300,20 +309,22 @@ def run_three(fn: Callable, args: tuple, *, link=None, schedule_path: str | os.P
         secs["link_load_before"] = os.getloadavg()
         t0 = time.perf_counter()
         linked = run_parties(fn, *args, schedule, link=link, dealer_link=link, timeout=timeout,
-                             party_args=party_args)
+                             party_args=party_args, offline=offline)
         secs["link"] = time.perf_counter() - t0
         secs["link_load_after"] = os.getloadavg()
         _log(f"{label}: link run took {secs['link']:.1f}s")
-    return Runs(schedule, recorded, compute, linked, secs)
+    return Runs(schedule, recorded, compute, linked, secs, offline)
 
 
-def summarize_steps(meters: list[dict], names: list[str] | None = None) -> dict[str, dict]:
+def summarize_steps(meters: list[dict], names: list[str] | None = None, offline: str = "dealer") -> dict[str, dict]:
     """Per top-level online step: rounds, bytes (online, per direction, offline), seconds.
 
     Online bytes are both directions of the server link (party 0's sent + received); offline
-    bytes are the dealer traffic of both servers while prefetching the step; seconds are the
+    bytes are the dealer traffic of both servers while prefetching the step (two-party mode:
+    the correlations made inside the step, party 0's count of the one link); seconds are the
     larger of the two servers' (they run in lockstep).
     """
+    inline_parties = (0,) if offline == "two-party" else (0, 1)
     m0, m1 = meters[0]["steps"], meters[1]["steps"]
     if names is None:
         names = [n for n in m0 if "/" not in n and not n.startswith(OFFLINE_PREFIX)
@@ -330,7 +341,8 @@ def summarize_steps(meters: list[dict], names: list[str] | None = None) -> dict[
             "bytes_per_direction": max(a["online_bytes_sent"], a["online_bytes_received"]),
             "online_s": max(a["seconds"], b["seconds"]),
             # material fetched online inside the step (only when not prefetched)
-            "inline_offline_bytes": sum(r["offline_bytes_sent"] + r["offline_bytes_received"] for r in (a, b)),
+            "inline_offline_bytes": sum(r["offline_bytes_sent"] + r["offline_bytes_received"]
+                                        for r in ((a, b)[p] for p in inline_parties)),
         }
         off = OFFLINE_PREFIX + name
         if off in m0:
@@ -351,7 +363,7 @@ def summarize_steps(meters: list[dict], names: list[str] | None = None) -> dict[
 def measure(fn, args: tuple, *, profile, shaping, cache_dir: str | os.PathLike, key: str, prefix: str,
             fresh: bool = False, timeout: float = 3600.0, label: str = "",
             party_args: tuple[tuple, tuple] = ((), ()), record: tuple[Callable, tuple] | None = None,
-            aliases: dict[str, str] | None = None, compute: bool = True) -> Runs:
+            aliases: dict[str, str] | None = None, compute: bool = True, offline: str = "dealer") -> Runs:
     """``run_three`` with on-disk caches: the recorded schedule and the compute run.
 
     The cache key must cover everything that changes the dealer requests (configuration,
@@ -361,6 +373,8 @@ def measure(fn, args: tuple, *, profile, shaping, cache_dir: str | os.PathLike, 
     """
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
+    if offline != "dealer":
+        key = f"{key}-{offline}"
     compute_path = cache / f"{prefix}-compute-{key}.pkl"
     compute_res = None
     if compute_path.exists() and not fresh:
@@ -374,7 +388,7 @@ def measure(fn, args: tuple, *, profile, shaping, cache_dir: str | os.PathLike, 
     runs = run_three(fn, args, link=link, schedule_path=cache / f"{prefix}-schedule-{key}.pkl",
                      reuse_schedule=not fresh, compute_results=compute_res, timeout=timeout,
                      party_args=party_args, label=label, record=record, aliases=aliases,
-                     skip_compute=not compute)
+                     skip_compute=not compute, offline=offline)
     if compute_res is None and runs.compute is not None:
         compute_path.write_bytes(pickle.dumps(runs.compute))
         runs.seconds["compute_cached_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -388,16 +402,20 @@ def add_cache_arguments(p) -> None:
     p.add_argument("--cache-dir", default="out/bench-cache", help="synthetic data, schedules, compute runs")
     p.add_argument("--fresh", action="store_true", help="re-record the schedule and redo the compute run")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a party waits for its peer")
+    p.add_argument("--offline", choices=("dealer", "two-party"), default="dealer",
+                   help="dealer (a third process makes the correlated randomness; default) or two-party "
+                        "(no dealer: the servers make it between themselves, mpc/spu_engine.py)")
 
 
-def wire_check(meters: list[dict]) -> dict:
+def wire_check(meters: list[dict], offline: str = "dealer") -> dict:
     """Metered frame bytes vs TLS bytes counted at the sockets, per kind of traffic.
 
     Online: party 0's socket to party 1 (both directions). Offline: both servers' dealer
-    sockets. The difference is TLS record overhead (~0.1%) plus the handshake.
+    sockets (two-party mode: party 0's engine link). The difference is TLS record overhead
+    (~0.1%) plus the handshake; the engine's traffic is metered at its sockets, so it adds none.
     """
     out = {}
-    for kind, parties in (("online", (0,)), ("offline", (0, 1))):
+    for kind, parties in (("online", (0,)), ("offline", (0,) if offline == "two-party" else (0, 1))):
         metered = sum(meters[p]["total"][f"{kind}_bytes_sent"] + meters[p]["total"][f"{kind}_bytes_received"]
                       for p in parties)
         wire = sum(meters[p]["wire"][kind]["sent"] + meters[p]["wire"][kind]["received"] for p in parties)

@@ -106,8 +106,8 @@ def _sub_rows(meters: list[dict], steps: list[str]) -> list[dict]:
 
 
 def build_rows(runs: offline.Runs, steps: list[str], profile, coords: int) -> list[dict]:
-    comp = offline.summarize_steps(runs.compute.meters, steps)
-    meas = offline.summarize_steps(runs.link.meters, steps) if runs.link else comp
+    comp = offline.summarize_steps(runs.compute.meters, steps, runs.offline)
+    meas = offline.summarize_steps(runs.link.meters, steps, runs.offline) if runs.link else comp
     rows = []
     for name in steps:
         m, c = meas[name], comp[name]
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         print(f"--attacker must be below {cfg.clients} (or -1)", file=sys.stderr)
         return 2
     fn_args = (cfg.to_json(), steps, attacker)
-    common = dict(cache_dir=args.cache_dir, key=_cache_key(cfg, steps, attacker), prefix="range-check",
+    common = dict(offline=args.offline, cache_dir=args.cache_dir, key=_cache_key(cfg, steps, attacker), prefix="range-check",
                   fresh=args.fresh, timeout=args.timeout, label=f"range-check/{cfg.name}")
     if shaping.method == "netem" and not os.environ.get(profiles.NETEM_ENV):
         offline.measure(_program, fn_args, profile=profiles.resolve("none"), shaping=profiles.Shaping("none", ""),

@@ -63,21 +63,22 @@ def grid(clients: list[int], params: list[int], rounds: list[int], base: dict) -
 LINK_SHAPING = profiles.Shaping("link-emulation", "the transport's LinkProfile on the server link and the dealer link")
 
 
-def _session(cfg: SyntheticConfig, cache_dir: str, fresh: bool, timeout: float, profile, shaping):
+def _session(cfg: SyntheticConfig, cache_dir: str, fresh: bool, timeout: float, profile, shaping,
+             offline_mode: str = "dealer"):
     steps = list(SETUP_STEPS + ROUND_STEPS)
     data = prepare(cfg, cache_dir)
     key = hashlib.sha256(f"{cfg.key()}|{steps}|{offline.code_fingerprint()}".encode()).hexdigest()[:16]
     return offline.measure(_program, (cfg.to_json(), str(data), steps, []), profile=profile, shaping=shaping,
                            cache_dir=cache_dir, key=key, prefix="scaling", fresh=fresh, timeout=timeout,
-                           label=cfg.name)
+                           label=cfg.name, offline=offline_mode)
 
 
-def link_times(cfg: SyntheticConfig, profile, cache_dir: str, timeout: float) -> dict:
+def link_times(cfg: SyntheticConfig, profile, cache_dir: str, timeout: float, offline_mode: str = "dealer") -> dict:
     """Measured (emulated link) and analytic seconds of one round and of TD+RS on ``profile``;
     the compute run and schedule come from the cache that ``measure_point`` filled."""
-    runs = _session(cfg, cache_dir, False, timeout, profile, LINK_SHAPING)
-    comp = offline.summarize_steps(runs.compute.meters)
-    link = offline.summarize_steps(runs.link.meters)
+    runs = _session(cfg, cache_dir, False, timeout, profile, LINK_SHAPING, offline_mode)
+    comp = offline.summarize_steps(runs.compute.meters, offline=runs.offline)
+    link = offline.summarize_steps(runs.link.meters, offline=runs.offline)
     out = {}
     for group, names in (("round", ROUND_STEPS), ("setup", SETUP_STEPS)):
         out[f"{group}_s"] = sum(link[k]["online_s"] for k in names)
@@ -86,10 +87,12 @@ def link_times(cfg: SyntheticConfig, profile, cache_dir: str, timeout: float) ->
     return out
 
 
-def measure_point(cfg: SyntheticConfig, cache_dir: str, fresh: bool, timeout: float) -> dict:
+def measure_point(cfg: SyntheticConfig, cache_dir: str, fresh: bool, timeout: float,
+                  offline_mode: str = "dealer") -> dict:
     steps = list(SETUP_STEPS + ROUND_STEPS)
-    runs = _session(cfg, cache_dir, fresh, timeout, profiles.resolve("none"), profiles.Shaping("none", "loopback"))
-    summ = offline.summarize_steps(runs.compute.meters)
+    runs = _session(cfg, cache_dir, fresh, timeout, profiles.resolve("none"), profiles.Shaping("none", "loopback"),
+                    offline_mode)
+    summ = offline.summarize_steps(runs.compute.meters, offline=runs.offline)
     row = {"clients": cfg.clients, "params": cfg.num_params, "rounds": cfg.rounds,
            "steps": {k: summ[k] for k in steps if k in summ}}
     for group, names in (("round", ROUND_STEPS), ("setup", SETUP_STEPS)):
@@ -199,8 +202,9 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     for axis, cfg in points:
         if cfg.name not in done:
             print(f"scaling: {cfg.name} ...", file=sys.stderr, flush=True)
-            row = measure_point(cfg, args.cache_dir, args.fresh, args.timeout)
-            row["links"] = {prof.name: link_times(cfg, prof, args.cache_dir, args.timeout) for prof in links}
+            row = measure_point(cfg, args.cache_dir, args.fresh, args.timeout, args.offline)
+            row["links"] = {prof.name: link_times(cfg, prof, args.cache_dir, args.timeout, args.offline)
+                            for prof in links}
             done[cfg.name] = row
         rows.append((axis, done[cfg.name]))
     table = []

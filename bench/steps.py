@@ -171,8 +171,8 @@ def _td1_row(summary: dict[str, dict], full_n: int) -> dict | None:
 
 
 def build_rows(cfg: SyntheticConfig, runs: offline.Runs, profile: profiles.NetworkProfile) -> list[dict]:
-    comp = offline.summarize_steps(runs.compute.meters)
-    meas = offline.summarize_steps(runs.link.meters) if runs.link is not None else comp
+    comp = offline.summarize_steps(runs.compute.meters, offline=runs.offline)
+    meas = offline.summarize_steps(runs.link.meters, offline=runs.offline) if runs.link is not None else comp
     full_n = cfg.num_params * len(cfg.remaining) * cfg.rounds
     for summ in (comp, meas):
         td1 = _td1_row(summ, full_n)
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     data_path = prepare(cfg, args.cache_dir)
     print(f"synthetic history: {data_path} ({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
     fn_args = (cfg.to_json(), str(data_path), steps, samples)
-    common = dict(cache_dir=args.cache_dir, key=_cache_key(cfg, steps, samples), prefix="steps",
+    common = dict(offline=args.offline, cache_dir=args.cache_dir, key=_cache_key(cfg, steps, samples), prefix="steps",
                   fresh=args.fresh, timeout=args.timeout, label=f"steps/{cfg.name}")
     if shaping.method == "netem" and not os.environ.get(profiles.NETEM_ENV):
         # record and compute outside, then the shaped run inside a netem namespace
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
             "stated); ratio = ours / paper.",
             f"peak RSS per server process: {rss}; dealer-schedule mismatches: {mismatches}"]
     if td1 is not None:
-        src = offline.summarize_steps(final.meters)
+        src = offline.summarize_steps(final.meters, offline=runs.offline)
         samples_n = sorted(int(k.split(':')[1]) for k in src if k.startswith("TD1:"))
         head.append(f"TD1 (FedRecover's global threshold: secure sort of |g| over all "
                     f"{cfg.num_params * len(cfg.remaining) * cfg.rounds:,} stored coordinates) is extrapolated "
@@ -333,10 +333,10 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         "machine": machine_info(), "load_average_at_end": os.getloadavg(), "benchmark": "steps", "config": cfg.to_json(),
         "history": "synthetic (bench/synthetic.py): values from a seeded generator, real shapes",
         "profile": profile.to_json(), "shaping": shaping.to_json(), "rows": rows,
-        "subsample_steps": {k: v for k, v in offline.summarize_steps(final.meters).items() if k.startswith("TD1:")},
+        "subsample_steps": {k: v for k, v in offline.summarize_steps(final.meters, offline=runs.offline).items() if k.startswith("TD1:")},
         "runs": runs.seconds, "schedule_requests": runs.schedule.num_requests,
         "schedule_meta": runs.schedule.meta,
-        "party_reports": reports, "wire": offline.wire_check(final.meters), "markdown": text,
+        "party_reports": reports, "wire": offline.wire_check(final.meters, runs.offline), "markdown": text,
     }
     path = write_json(out, payload)
     Path(path).with_suffix(".md").write_text(text + "\n")

@@ -95,8 +95,8 @@ def _cache_key(cfg: SyntheticConfig, runs_method: str) -> str:
 
 
 def step_rows(runs: offline.Runs, profile: profiles.NetworkProfile) -> list[dict]:
-    comp = offline.summarize_steps(runs.compute.meters, list(ONLINE_STEPS + CLIENT_STEPS))
-    meas = offline.summarize_steps(runs.link.meters, list(ONLINE_STEPS + CLIENT_STEPS)) if runs.link else comp
+    comp = offline.summarize_steps(runs.compute.meters, list(ONLINE_STEPS + CLIENT_STEPS), runs.offline)
+    meas = offline.summarize_steps(runs.link.meters, list(ONLINE_STEPS + CLIENT_STEPS), runs.offline) if runs.link else comp
     rows = []
     for name in ONLINE_STEPS + CLIENT_STEPS:
         if name not in meas:
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     rs = "RS1" if method_run == "ratio" else "RS2"
     record = (steps_bench._program, (cfg.to_json(), str(data_path), ["TD2", rs, "UE", "TC", "aggregate"], []))
     aliases = {"TD": "TD2", "RS": rs, "UE": "UE", "TC": "TC", "aggregate": "aggregate"}
-    common = dict(cache_dir=args.cache_dir, key=_cache_key(cfg, method_run), prefix="unlearning",
+    common = dict(offline=args.offline, cache_dir=args.cache_dir, key=_cache_key(cfg, method_run), prefix="unlearning",
                   fresh=args.fresh or bool(args.cprofile), timeout=args.timeout, label=f"unlearning/{cfg.name}",
                   record=record, aliases=aliases)
     if shaping.method == "netem" and not os.environ.get(profiles.NETEM_ENV):
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     tot = totals(rows)
     reports = [v["report"] for v in final.values]
     rss = [r["peak_rss_bytes"] for r in reports]
-    wire = offline.wire_check(final.meters)
+    wire = offline.wire_check(final.meters, runs.offline)
     v0, v1 = final.values
     agree = v0["model_sha256"] == v1["model_sha256"] and v0["selected_rounds"] == v1["selected_rounds"]
     mismatches = [m for r in reports for m in r.get("mismatches", [])]

@@ -204,6 +204,26 @@ def _div_(self: Any, y: Any) -> Any:
 ArithmeticSharedTensor.div_ = _div_
 
 
+# ------------------------------------------------------------------ comparisons, two-party mode
+# Every CrypTen comparison (ge, lt, sign, relu, abs, max, ...) ends in ``MPCTensor._ltz``, a
+# binary circuit fed by binary triples and B2A randomness. The two-party mode makes neither
+# (``mpc.two_party_provider``): its provider offers the whole sign test instead, and ``_ltz`` is
+# routed to it whenever the active provider has one. Other providers keep CrypTen's circuit.
+_ORIGINAL_LTZ = _crypten_mpc.MPCTensor._ltz
+
+
+def _ltz(self: Any) -> Any:
+    direct = getattr(crypten.mpc.get_default_provider(), "nonnegative_share", None)
+    if direct is None:
+        return _ORIGINAL_LTZ(self)
+    ge = direct(self.share)
+    below = (1 - ge) if crypten.communicator.get().get_rank() == 0 else -ge
+    return _crypten_mpc.MPCTensor.from_shares(below, precision=0)
+
+
+_crypten_mpc.MPCTensor._ltz = _ltz
+
+
 def replace_local_truncation(fn: Any) -> None:
     """Every later two-party ``div_`` by a power of two 2**d runs ``fn(share, d)``; None restores."""
     global _wrapfree_truncation

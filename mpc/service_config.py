@@ -157,10 +157,16 @@ class ClientsSection:
     retry_seconds: float = 120.0     # how long a request is retried while a server restarts
 
 
+#: where a 2PC session's correlated randomness comes from (docs/design.md 4.3): "dealer" (a third,
+#: non-colluding process) or "two-party" (no third party: the servers make it between themselves)
+OFFLINE_MODES = ("dealer", "two-party")
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     path: Path
     keys_dir: Path
+    offline: str = "dealer"
     server0: ServerSection = field(default_factory=ServerSection)
     server1: ServerSection = field(default_factory=lambda: ServerSection(
         api_port=7110, peer_port=7111, mpc_port=7112, data_dir="data/server1"))
@@ -266,12 +272,15 @@ def load_config(path: str | os.PathLike[str]) -> ServiceConfig:
         raise ConfigError(f"{p}: not valid TOML: {exc}") from None
     top = dict(raw)
     deployment = top.pop("deployment", {})
-    if not isinstance(deployment, dict) or set(deployment) - {"keys_dir"}:
-        raise ConfigError("[deployment] takes only keys_dir")
+    if not isinstance(deployment, dict) or set(deployment) - {"keys_dir", "offline"}:
+        raise ConfigError("[deployment] takes only keys_dir and offline")
     keys = deployment.get("keys_dir", "keys")
     if not isinstance(keys, str):
         raise ConfigError("[deployment] keys_dir must be a string")
-    cfg = ServiceConfig(path=p, keys_dir=Path("."))
+    offline = deployment.get("offline", "dealer")
+    if offline not in OFFLINE_MODES:
+        raise ConfigError(f"[deployment] offline must be one of {', '.join(OFFLINE_MODES)}, got {offline!r}")
+    cfg = ServiceConfig(path=p, keys_dir=Path("."), offline=offline)
     unknown = sorted(set(top) - set(_SECTIONS))
     if unknown:
         raise ConfigError(f"unknown sections {unknown}; known: deployment, {', '.join(_SECTIONS)}")
@@ -298,7 +307,10 @@ def _toml_value(v: Any) -> str:
 def render_config(cfg: ServiceConfig, keys_dir: str = "keys") -> str:
     """The complete TOML text of ``cfg`` (every key written out, so the file documents itself)."""
     lines = ["# Starfish service configuration; every key and default: docs/service.md",
-             "[deployment]", f"keys_dir = {_toml_value(keys_dir)}", ""]
+             "[deployment]", f"keys_dir = {_toml_value(keys_dir)}",
+             "# dealer: a third process supplies correlated randomness (trusted not to collude);",
+             "# two-party: none, the servers make it between themselves (docs/protocols.md)",
+             f"offline = {_toml_value(cfg.offline)}", ""]
     for name in _SECTIONS:
         sec = getattr(cfg, name)
         lines.append(f"[{name}]")
@@ -331,7 +343,8 @@ SCRATCH_CA_DIR = "ca-offline"
 
 
 def write_scratch_deployment(directory: str | os.PathLike[str], *, clients: int = 20,
-                             overrides: dict[str, dict[str, Any]] | None = None) -> Path:
+                             overrides: dict[str, dict[str, Any]] | None = None,
+                             offline: str = "dealer") -> Path:
     """Keys (servers, dealer, admin, client-0..N-1) and a config on free loopback ports.
 
     Returns the path of ``config.toml``. ``overrides`` maps section -> {key: value}. The
@@ -345,7 +358,9 @@ def write_scratch_deployment(directory: str | os.PathLike[str], *, clients: int 
     d.mkdir(parents=True, exist_ok=True)
     tls.init_keys(d / "keys", clients=clients, ca_dir=d / SCRATCH_CA_DIR)
     ports = free_loopback_ports(7)
-    cfg = ServiceConfig(path=d / "config.toml", keys_dir=d / "keys")
+    if offline not in OFFLINE_MODES:
+        raise ConfigError(f"offline must be one of {', '.join(OFFLINE_MODES)}, got {offline!r}")
+    cfg = ServiceConfig(path=d / "config.toml", keys_dir=d / "keys", offline=offline)
     cfg = dataclasses.replace(
         cfg,
         server0=ServerSection("127.0.0.1", ports[0], ports[1], ports[2], "data/server0"),

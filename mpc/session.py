@@ -36,6 +36,14 @@ cc.register_provider(TWO_PARTY, _two_party)
 cc.register_provider(TFP, TestOnlyTFP())  # CrypTen's TFP plus edabits; still refused by default
 
 
+def session_source(cfg) -> dict:
+    """``open_party`` keywords for a deployment's ``offline`` mode (``mpc.service_config``): the
+    dealer's address, or the two-party provider and no dealer at all."""
+    if cfg.offline == "two-party":
+        return {"provider": TWO_PARTY}
+    return {"provider": DEALER, "dealer_address": cfg.dealer.endpoint().address}
+
+
 def _engine_truncation(share, d):
     """Two-party mode's truncation (in the engine), with the range checks of ``mpc.truncation``."""
     if share.numel() == 0:

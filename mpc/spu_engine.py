@@ -68,7 +68,7 @@ def _quiet_logging() -> None:
     global _logging_done
     if not _logging_done:
         opts = libspu.logging.LogOptions()
-        opts.enable_console_logger = False
+        opts.enable_console_logger = True    # errors only: a daemon's log must show why a link died
         opts.log_level = libspu.logging.LogLevel.ERROR
         libspu.logging.setup_logging(opts)
         _logging_done = True
@@ -339,6 +339,11 @@ class SpuEngine:
     def socket_bytes(self) -> tuple[int, int]:
         """(sent, received) at this party's sockets of the engine's link so far."""
         return self._relays.totals
+
+    @property
+    def kernel_bytes(self) -> tuple[int, int]:
+        """(sent, received) on the same sockets as the kernel counts them (tests' oracle)."""
+        return self._relays.kernel_totals()
 
     def close(self) -> None:
         link, self._link = self._link, None

@@ -10,8 +10,10 @@ piece with the other server through the two-party engine (``mpc.spu_engine``, CH
   from dealer-style pieces here (an edabit and 118 AND triples per element would cost far more
   to make between two parties than the operation itself): the engine does the whole operation
   on the shares (``nonnegative_share``, ``below_power_of_two_share``, ``truncate_share``).
+* CrypTen's random bits (``B2A_rng``, used by ``crypten.rand``): each party's bit is its XOR
+  share, and the arithmetic share takes one engine product of the two private bits.
 * What our protocols never ask for in this mode (binary triples, edabits, truncation pairs,
-  CrypTen's own wrap and B2A randomness) is refused with a clear error rather than faked.
+  CrypTen's wrap randomness) is refused with a clear error rather than faked.
 
 Security: nothing leaves a party but what the engine's protocol sends, and each party's PRG seed
 is its own; no party, and no third one, knows both shares of anything.
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from .crypten_compat import ArithmeticSharedTensor as AST
+from .crypten_compat import BinarySharedTensor as BST
 from .crypten_compat import TupleProviderBase
 from .prg import Prg, new_seed
 
@@ -102,8 +105,20 @@ class TwoPartyProvider(TupleProviderBase):
         raise NotInTwoPartyMode("CrypTen's wrap randomness is not made in two-party mode")
 
     def B2A_rng(self, size, device=None):
-        raise NotInTwoPartyMode("CrypTen's B2A randomness is not made in two-party mode: comparisons "
-                                "run in the engine (mpc.nonnegative)")
+        """A random bit r shared both ways (CrypTen's ``crypten.rand``, e.g. tie-breaking in its
+        ``max``): each party draws a bit r_k, its XOR share; r = r0 + r1 - 2 r0 r1, where the
+        product of the two private bits is one engine product (inputs shared as (r0, 0), (0, r1))."""
+        engine = self._require()
+        shape = _shape(size)
+        (raw,) = self._random(shape)
+        bit = raw & 1
+        zero = np.zeros(shape, np.int64)
+        mine, other = (bit, zero)
+        x, y = (mine, other) if self.engine.rank == 0 else (other, mine)
+        prod = engine.product("triple-mul", _mul, x, y)
+        arith = bit - 2 * prod
+        return (AST.from_shares(torch.from_numpy(arith), precision=0),
+                BST.from_shares(torch.from_numpy(bit.copy()), precision=0))
 
     def edabits(self, size, bits: int):
         raise NotInTwoPartyMode("edabits are not made in two-party mode: comparisons run in the engine")

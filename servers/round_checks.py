@@ -19,7 +19,7 @@ import socket
 from collections.abc import Sequence
 
 from mpc.service_config import ServiceConfig
-from mpc.session import open_party
+from mpc.session import open_party, session_source
 from protocols.backend import stack
 from protocols.upload_range import uploads_in_range
 
@@ -42,7 +42,7 @@ def check_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, round_
         rank, cfg.keys_dir,
         peer_listener=mpc_listener if rank == 1 else None,
         peer_address=cfg.server1.mpc().address if rank == 0 else None,
-        dealer_address=cfg.dealer.endpoint().address,
+        **session_source(cfg),
         timeout=cfg.limits.peer_timeout,
         ticket=f"round:{round_no}:check:{_digest(parts)}".encode(),
     )

@@ -29,7 +29,7 @@ import torch
 from mpc import wire
 from mpc.channel import KIND_OBJECT
 from mpc.service_config import ServiceConfig
-from mpc.session import open_party
+from mpc.session import open_party, session_source
 from protocols.starfish.params import StarfishParams
 from protocols.starfish.stage2 import run_stage2
 
@@ -115,7 +115,7 @@ def run_job(*, rank: int, cfg: ServiceConfig, store: ShareStore, board: TaskBoar
         rank, cfg.keys_dir,
         peer_listener=mpc_listener if rank == 1 else None,
         peer_address=cfg.server1.mpc().address if rank == 0 else None,
-        dealer_address=cfg.dealer.endpoint().address,
+        **session_source(cfg),
         timeout=timeout,
         ticket=f"job:{job_id}:attempt:{attempt}".encode(),
     )

@@ -101,6 +101,9 @@ class ProcessGroup:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", action="store_true", help="the 2PC runtime demo instead of the service")
+    p.add_argument("--offline", choices=("dealer", "two-party"), default="dealer",
+                   help="where correlated randomness comes from: a dealer process (default) or "
+                        "nobody: the two servers make it between themselves (no third process)")
     p.add_argument("--clients", type=int, default=20, help="simulated clients (20)")
     p.add_argument("--rounds", type=int, default=40, help="FL rounds before the request (40)")
     p.add_argument("--after", type=int, default=5, help="FL rounds after the adoption (5)")
@@ -116,12 +119,16 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
+def _daemons(cfg: Any) -> tuple[str, ...]:
+    return ("server0", "server1") if cfg.offline == "two-party" else ("dealer", "server0", "server1")
+
+
 def _wait_ready(cfg: Any, procs: ProcessGroup, deadline: float) -> None:
     """Poll both servers' client API (as admin) until they answer."""
 
     for p in (0, 1):
         while True:
-            procs.check_alive("dealer", "server0", "server1")
+            procs.check_alive(*_daemons(cfg))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server {p} did not answer in time")
             try:
@@ -160,7 +167,10 @@ def _fetch_results(cfg: Any, job: str) -> list[dict]:
     return out
 
 
-def _comm_table(meters0: dict, meters1: dict) -> list[str]:
+def _comm_table(meters0: dict, meters1: dict, two_party: bool = False) -> list[str]:
+    """Per step. Offline: dealer<->servers (both servers' links), or in two-party mode the
+    correlations made between the servers (one link: server 0's count, both directions)."""
+    offline_of = (lambda a, b: (a,)) if two_party else (lambda a, b: (a, b))
     rows = ["step          rounds   online bytes  offline bytes   seconds",
             "------------  ------  -------------  -------------  --------"]
     order = ["setup", "TD", "RS", "UE", "TC", "correction", "pairs", "aggregate"]
@@ -169,13 +179,13 @@ def _comm_table(meters0: dict, meters1: dict) -> list[str]:
     for s in steps:
         a, b = meters0["steps"][s], meters1["steps"].get(s, {})
         online = a["online_bytes_sent"] + a["online_bytes_received"]
-        offline = sum(r.get("offline_bytes_sent", 0) + r.get("offline_bytes_received", 0) for r in (a, b))
+        offline = sum(r.get("offline_bytes_sent", 0) + r.get("offline_bytes_received", 0) for r in offline_of(a, b))
         rows.append(f"{s:<12}  {a['online_rounds']:>6}  {online:>13,}  {offline:>13,}  "
                     f"{max(a['seconds'], b.get('seconds', 0.0)):>8.2f}")
     t0, t1 = meters0["total"], meters1["total"]
     rows.append(f"{'total':<12}  {t0['online_rounds']:>6}  "
                 f"{t0['online_bytes_sent'] + t0['online_bytes_received']:>13,}  "
-                f"{sum(t['offline_bytes_sent'] + t['offline_bytes_received'] for t in (t0, t1)):>13,}  "
+                f"{sum(t['offline_bytes_sent'] + t['offline_bytes_received'] for t in offline_of(t0, t1)):>13,}  "
                 f"{max(t0['seconds'], t1['seconds']):>8.2f}")
     return rows
 
@@ -266,14 +276,18 @@ def run_service_demo(args: argparse.Namespace) -> int:
     target = 0
     _say(f"[1/5] keys and config for a loopback deployment in {work}")
     cfg_path = write_scratch_deployment(work, clients=args.clients, overrides={
-        "fl": {"rounds": args.rounds + args.after, "round_deadline": 120.0}})
+        "fl": {"rounds": args.rounds + args.after, "round_deadline": 120.0}}, offline=args.offline)
     cfg = load_config(cfg_path)
     procs = ProcessGroup(work / "logs")
     ok = False
     try:
-        _say("[2/5] starting the dealer, server 1 and server 0 (separate processes, TLS 1.3)")
         env = {k: v for k, v in os.environ.items() if k != "STARFISH_CRASH_AT"}
-        procs.start("dealer", ["dealer", "--config", str(cfg_path)], env)
+        if cfg.offline == "two-party":
+            _say("[2/5] starting server 1 and server 0 (separate processes, TLS 1.3); two-party mode: "
+                 "no dealer, the servers make all correlated randomness between themselves")
+        else:
+            _say("[2/5] starting the dealer, server 1 and server 0 (separate processes, TLS 1.3)")
+            procs.start("dealer", ["dealer", "--config", str(cfg_path)], env)
         procs.start("server1", ["server", "--party", "1", "--config", str(cfg_path)], env)
         procs.start("server0", ["server", "--party", "0", "--config", str(cfg_path)], env)
         _wait_ready(cfg, procs, deadline)
@@ -288,13 +302,13 @@ def run_service_demo(args: argparse.Namespace) -> int:
             str(work / "clients.json"), "--max-seconds", str(max(30.0, deadline - time.monotonic()))], env)
         offset = 0
         while clients.poll() is None:
-            procs.check_alive("dealer", "server0", "server1")
+            procs.check_alive(*_daemons(cfg))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the clients did not finish within {args.timeout:.0f}s")
             offset = _follow(work / "logs" / "clients.log", offset)
             time.sleep(0.5)  # the clients' log is the progress display
         _follow(work / "logs" / "clients.log", offset)
-        procs.check_alive("dealer", "server0", "server1")
+        procs.check_alive(*_daemons(cfg))
         if clients.returncode != 0:
             procs.check_alive("clients")
         t_clients = time.monotonic() - t_fl
@@ -326,8 +340,9 @@ def run_service_demo(args: argparse.Namespace) -> int:
              f"{res0['warmup_steps']}; exact updates asked per remaining client: "
              f"{sorted(set(res0['client_exact_updates'].values()))} of {summary['T']} rounds")
         _say("\ncommunication of the 2PC job (online = server<->server, both directions; offline = "
-             "dealer<->servers):")
-        for line in _comm_table(res0["meters"], res1["meters"]):
+             + ("correlations made between the two servers, both directions):" if cfg.offline == "two-party"
+                else "dealer<->servers):"))
+        for line in _comm_table(res0["meters"], res1["meters"], cfg.offline == "two-party"):
             _say("  " + line)
         receipt = recs[0].get("receipt") or {}
         _say(f"\nadopted: M_{receipt.get('adopted_round')} is the unlearned model at both servers; "

@@ -78,6 +78,10 @@ def cmd_server(args: argparse.Namespace) -> int:
 def cmd_dealer(args: argparse.Namespace) -> int:
     cfg = _config(args)
     _logging(args.log_level)
+    if cfg.offline == "two-party":
+        print("starfish dealer: this deployment runs in two-party mode ([deployment] offline = "
+              "\"two-party\"): it has no dealer, and none must run", file=sys.stderr)
+        return 2
 
     stop = threading.Event()
     _on_signals(stop.set)
