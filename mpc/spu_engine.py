@@ -169,17 +169,21 @@ class SpuEngine:
             cert, key, pem = _session_certificate(self._dir, f"starfish-spu-{rank}")
             own_port = _free_port("127.0.0.1")
             inbound = self._relays.open_inbound(("127.0.0.1", own_port))
-            channel.send_frame(KIND_OBJECT, pack({"cert": pem, "port": inbound[1]}))
+            nonce = os.urandom(8)
+            channel.send_frame(KIND_OBJECT, pack({"cert": pem, "port": inbound[1], "nonce": nonce}))
             peer = unpack_bounded(channel.recv_frame(KIND_OBJECT), max_bin_len=1 << 16, max_map_len=4)
             if not isinstance(peer, dict) or not isinstance(peer.get("cert"), bytes) \
-                    or not isinstance(peer.get("port"), int):
+                    or not isinstance(peer.get("port"), int) or not isinstance(peer.get("nonce"), bytes):
                 raise EngineError("malformed two-party link offer from the peer")
             outbound = self._relays.open_outbound((peer_host, peer["port"]))
             peer_cert = os.path.join(self._dir, "peer.crt")
             with open(peer_cert, "wb") as f:
                 f.write(trust_override if trust_override is not None else peer["cert"])
             desc = libspu.link.Desc()
-            desc.id = "starfish"
+            # a link id of its own per session: brpc keeps services of earlier links in the
+            # process, and a second link under the same id is answered by the dead one's
+            mine_first = (nonce, peer["nonce"]) if rank == 0 else (peer["nonce"], nonce)
+            desc.id = "starfish-" + b"".join(mine_first).hex()
             for r in range(2):
                 addr = f"127.0.0.1:{own_port}" if r == rank else f"{outbound[0]}:{outbound[1]}"
                 desc.add_party(f"server{r}", addr)
