@@ -66,9 +66,13 @@ class _RoundState:
 class Relay:
     """Accepts on a loopback port and forwards every connection to ``target``."""
 
-    def __init__(self, target: tuple[str, int], state: _RoundState, *, inbound: bool,
+    def __init__(self, target: tuple[str, int] | None, state: _RoundState, *, inbound: bool,
                  link: LinkProfile = NO_LINK, host: str = "127.0.0.1", port: int = 0):
+        """``target`` may be set later (``set_target``); connections wait for it up to 60 s."""
         self._target = target
+        self._target_set = threading.Event()
+        if target is not None:
+            self._target_set.set()
         self._state = state
         self._inbound = inbound   # True: the accepted side is the peer (what it sends is received)
         self._link = link
@@ -85,12 +89,19 @@ class Relay:
     def address(self) -> tuple[str, int]:
         return self._listener.getsockname()[:2]
 
+    def set_target(self, target: tuple[str, int]) -> None:
+        self._target = target
+        self._target_set.set()
+
     def _accept(self) -> None:
         while not self._stop.is_set():
             try:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
+            if not self._target_set.wait(60.0):
+                conn.close()
+                continue
             try:
                 out = socket.create_connection(self._target, timeout=10)
                 out.settimeout(None)
@@ -204,7 +215,8 @@ class RelayPair:
         self.inbound: Relay | None = None
         self.outbound: Relay | None = None
 
-    def open_inbound(self, own_listener: tuple[str, int]) -> tuple[str, int]:
+    def open_inbound(self, own_listener: tuple[str, int] | None = None) -> tuple[str, int]:
+        """The peer-facing relay; its target (our library's listener) may be set later."""
         self.inbound = Relay(own_listener, self.state, inbound=True, link=self._link, host=self._listen_host)
         return self.inbound.address
 

@@ -45,17 +45,7 @@ def _shape(size) -> tuple[int, ...]:
         return (int(size),)
 
 
-def _mul(a, b):
-    return a * b
-
-
-def _matmul(a, b):
-    import jax.numpy as jnp  # only reached in two-party mode, where the engine imported jax
-
-    return jnp.matmul(a, b)
-
-
-_OPS = {"mul": _mul, "matmul": _matmul}
+_OPS = ("mul", "matmul")   # the products the engine makes (``mpc.spu_engine.PRODUCTS``)
 
 
 class TwoPartyProvider(TupleProviderBase):
@@ -89,13 +79,13 @@ class TwoPartyProvider(TupleProviderBase):
         if op not in _OPS or args or kwargs:
             raise NotInTwoPartyMode(f"Beaver triples for {op!r} are not made in two-party mode")
         a, b = self._random(_shape(size0), _shape(size1))
-        c = engine.product(f"triple-{op}", _OPS[op], a, b)
+        c = engine.product(op, a, b)
         return tuple(AST.from_shares(torch.from_numpy(t), precision=0) for t in (a, b, c))
 
     def square(self, size, device=None):
         engine = self._require()
         (r,) = self._random(_shape(size))
-        r2 = engine.product("square", _mul, r, r)
+        r2 = engine.product("mul", r, r)
         return AST.from_shares(torch.from_numpy(r), precision=0), AST.from_shares(torch.from_numpy(r2), precision=0)
 
     def generate_binary_triple(self, size0, size1, device=None):
@@ -115,7 +105,7 @@ class TwoPartyProvider(TupleProviderBase):
         zero = np.zeros(shape, np.int64)
         mine, other = (bit, zero)
         x, y = (mine, other) if self.engine.rank == 0 else (other, mine)
-        prod = engine.product("triple-mul", _mul, x, y)
+        prod = engine.product("mul", x, y)
         arith = bit - 2 * prod
         return (AST.from_shares(torch.from_numpy(arith), precision=0),
                 BST.from_shares(torch.from_numpy(bit.copy()), precision=0))

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from mpc.crypten_compat import crypten
 from protocols import backend as B
 from protocols.threshold import any_exceeds
 
@@ -26,5 +27,27 @@ def check_thresholds(estimates: Any, thresholds: Any) -> torch.Tensor:
     """
     if len(estimates.shape) != 2 or len(thresholds.shape) != 1:
         raise ValueError("estimates must be (clients, m) and thresholds (clients,)")
+    direct = _two_party_check(estimates, thresholds)
+    if direct is not None:
+        return direct
     flags = any_exceeds(B.rescale(estimates), thresholds)  # estimates may carry raw bits (SecUE)
     return torch.as_tensor(flags).reshape(-1).to(torch.int64)
+
+
+def _two_party_check(estimates: Any, thresholds: Any) -> torch.Tensor | None:
+    """Two-party mode: the whole check (rescale, |x| >= |d|, per-row OR) in the engine's 32-bit
+    ring (``mpc.spu_engine.SpuEngine.rows_exceed``); the same flags as ``any_exceeds`` on the
+    rescaled estimates, revealing the same one bit per row. None in any other mode."""
+    if not B.is_shared(estimates):
+        return None
+    engine = getattr(crypten.mpc.get_default_provider(), "engine", None)
+    drop = B.bits_of(estimates) - B.frac_bits()
+    if engine is None or not 0 <= drop <= 30:
+        return None
+    if B.is_shared(thresholds):
+        d = B.rescale(thresholds).share.numpy()
+    else:   # a public threshold is party 0's share; party 1 holds 0
+        enc = B.encode_public(torch.as_tensor(thresholds, dtype=torch.float64))
+        d = (enc if engine.rank == 0 else torch.zeros_like(enc)).numpy()
+    flags = engine.rows_exceed(estimates.share.numpy(), drop, d)
+    return torch.as_tensor(flags).to(torch.int64)
