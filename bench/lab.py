@@ -103,6 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "and compare it with plaintext Starfish (run too if --method lacks it): "
                           "exit 1 if the selected rounds or correction flags differ or the models "
                           "differ by more than --secure-tolerance")
+    sec.add_argument("--offline", choices=("dealer", "two-party"), default="dealer",
+                     help="--secure: correlated randomness from a dealer process (default) or made "
+                          "between the two servers themselves (no dealer)")
     sec.add_argument("--secure-tolerance", type=float, default=SECURE_TOLERANCE,
                      help="largest accepted max |2PC - plaintext| parameter difference for "
                           f"--secure ({SECURE_TOLERANCE})")
@@ -195,6 +198,7 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
     if secure is not None:
         cmp = secure["comparison"]
         result["secure"] = {"steps": secure["steps"], "seconds": secure["seconds"],
+                            "offline": secure["offline"],
                             "max_abs_diff_to_plaintext": cmp["max_abs_diff"],
                             "selected_rounds_equal": cmp["selected_rounds_equal"],
                             "flags_equal": cmp["flags_equal"], "tolerance": cmp["tolerance"],
@@ -244,8 +248,10 @@ def _run_secure(args: argparse.Namespace, history, targets: list[int], costs: di
     params = starfish_params(args)
     link = LinkProfile(args.latency_ms / 1000.0, args.bandwidth_mbps * 1e6)
     if not args.quiet:
-        print("starfish (2PC): two server processes + dealer over TLS ...", file=sys.stderr, flush=True)
-    out = run_secure_starfish(args, history, targets, params, link=link)
+        who = "no dealer" if getattr(args, "offline", "dealer") == "two-party" else "dealer"
+        print(f"starfish (2PC): two server processes + {who} over TLS ...", file=sys.stderr, flush=True)
+    out = run_secure_starfish(args, history, targets, params, link=link,
+                              offline=getattr(args, "offline", "dealer"))
     v0, v1 = out["values"]
     model = torch.from_numpy(v0["model"]).to(history.model(0).dtype)
     cost = CostRecord("starfish (2PC)", history.num_rounds, wall_time_s=out["seconds"],
@@ -258,13 +264,13 @@ def _run_secure(args: argparse.Namespace, history, targets: list[int], costs: di
                        "flags": {int(k): list(v) for k, v in v0.get("flags", {}).items()}})
     for j in costs.get("starfish", cost).client_computations:
         cost.client_computations.setdefault(j, 0)
-    steps = step_table([v0["meters"], v1["meters"]])
+    steps = step_table([v0["meters"], v1["meters"]], getattr(args, "offline", "dealer"))
     differ = [what for what, same in (
         ("selected rounds", v0["selected_rounds"] == v1["selected_rounds"]),
         ("flags", v0.get("flags") == v1.get("flags")),
         ("models", np.array_equal(v0["model"], v1["model"]))) if not same]
     return {"model": model, "cost": cost, "steps": steps, "seconds": out["seconds"],
-            "servers_differ": differ}
+            "servers_differ": differ, "offline": getattr(args, "offline", "dealer")}
 
 
 def _fmt(v: Any, pct: bool = False, digits: int = 2) -> str:
@@ -333,7 +339,9 @@ def run(args: argparse.Namespace) -> int:
     rc = 0
     print(format_table(result["results"]))
     if "secure" in result:
-        print("\nstarfish (2PC) per step (online: server<->server, both directions; offline: dealer):")
+        offline_what = ("made between the servers" if result["secure"].get("offline") == "two-party"
+                        else "dealer")
+        print(f"\nstarfish (2PC) per step (online: server<->server, both directions; offline: {offline_what}):")
         print(f"{'step':<12}{'rounds':>8}{'online':>12}{'offline':>12}{'seconds':>9}")
         for r in result["secure"]["steps"]:
             print(f"{r['step']:<12}{r['rounds']:>8}{human_bytes(r['online_bytes']):>12}"

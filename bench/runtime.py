@@ -7,9 +7,12 @@ this project uses.
 For the dealer provider each operation runs twice: once to record the (data-independent)
 request plan, then again with the plan's material fetched beforehand, so that the
 reported seconds are online time only, as in the paper's tables. TFP is shown for
-reference (it needs no dealer and is insecure: party 0 knows every triple).
+reference (it needs no dealer and is insecure: party 0 knows every triple). ``two-party``
+makes everything between the two servers (``mpc/spu_engine.py``): no plan, no prefill; the
+Beaver triples it makes inside the step are its offline bytes (one link: party 0's count,
+both directions), and its seconds include making them.
 
-    starfish bench runtime --n 1000000 --providers dealer,tfp --out out/runtime.json
+    starfish bench runtime --n 1000000 --providers dealer,tfp,two-party --out out/runtime.json
 """
 
 from __future__ import annotations
@@ -42,10 +45,16 @@ def measure(op: str, n: int, provider: str, link) -> dict:
     plan = None
     if provider == "dealer":
         plan = run_parties(_program, op, n, provider="dealer", link=link, timeout=600).plans[1]
-    res = run_parties(_program, op, n, provider=provider, link=link, plan=plan, timeout=600)
+    if provider == "two-party":
+        res = run_parties(_program, op, n, offline="two-party", link=link, timeout=3600)
+    else:
+        res = run_parties(_program, op, n, provider=provider, link=link, plan=plan, timeout=600)
     s0, s1 = (m["steps"][op] for m in res.meters)
-    offline = sum(m["steps"].get("prefill", {}).get("offline_bytes_received", 0)
-                  + m["steps"].get("prefill", {}).get("offline_bytes_sent", 0) for m in res.meters)
+    if provider == "two-party":   # made inside the step, over the one server link
+        offline = s0["offline_bytes_sent"] + s0["offline_bytes_received"]
+    else:
+        offline = sum(m["steps"].get("prefill", {}).get("offline_bytes_received", 0)
+                      + m["steps"].get("prefill", {}).get("offline_bytes_sent", 0) for m in res.meters)
     return {
         "op": op,
         "n": n,
@@ -60,7 +69,7 @@ def measure(op: str, n: int, provider: str, link) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=float, default=1e6, help="elements per operation (default 1e6)")
-    p.add_argument("--providers", default="dealer,tfp", help="comma list of dealer,tfp (default both)")
+    p.add_argument("--providers", default="dealer,tfp", help="comma list of dealer,tfp,two-party (default dealer,tfp)")
     p.add_argument("--latency-ms", type=float, default=0.0, help="emulated one-way latency (default 0)")
     p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="emulated bandwidth, 0 = unlimited")
     p.add_argument("--out", default="out/runtime.json", help="JSON output path (default out/runtime.json)")

@@ -103,21 +103,26 @@ def _server(party, lab_args: dict, targets: list[int], params: StarfishParams, s
 
 
 def run_secure_starfish(lab_args: argparse.Namespace, history: History, targets: list[int],
-                        params: StarfishParams, link=None, timeout: float = 1800.0) -> dict:
-    """Stage II under 2PC on ``history``; returns both servers' outcomes."""
+                        params: StarfishParams, link=None, timeout: float = 1800.0,
+                        offline: str = "dealer") -> dict:
+    """Stage II under 2PC on ``history``; returns both servers' outcomes. ``offline``: "dealer"
+    or "two-party" (no dealer, ``mpc/spu_engine.py``)."""
     shares0, shares1 = split_history(history)
     args = {k: v for k, v in vars(lab_args).items() if k != "func"}
     with tempfile.TemporaryDirectory(prefix="starfish-secure-lab-") as tmp:
         res = run_parties(
             _server, args, targets, params, tmp, new_seed(), history.model(0).double().numpy(),
             float(history.server_lr), party_args=((shares0,), (shares1,)), link=link or NO_LINK,
-            timeout=timeout,
+            timeout=timeout, offline=offline,
         )
     return {"values": res.values, "seconds": res.seconds}
 
 
-def step_table(meters: list[dict]) -> list[dict]:
-    """Per step: rounds, online bytes (both directions), offline bytes (both servers), seconds."""
+def step_table(meters: list[dict], offline: str = "dealer") -> list[dict]:
+    """Per step: rounds, online bytes (both directions), offline bytes (dealer mode: both
+    servers' dealer links; two-party mode: the correlations made on the one server link, server
+    0's count, both directions), seconds."""
+    offline_parties = (0,) if offline == "two-party" else (0, 1)
     rows = []
     names = [n for n in ("load", "TD", "RS", "UE", "TC", "correction", "pairs", "aggregate") if n in meters[0]["steps"]]
     for name in names:
@@ -126,7 +131,8 @@ def step_table(meters: list[dict]) -> list[dict]:
             "step": name,
             "rounds": a["online_rounds"],
             "online_bytes": a["online_bytes_sent"] + a["online_bytes_received"],
-            "offline_bytes": sum(r["offline_bytes_sent"] + r["offline_bytes_received"] for r in (a, b)),
+            "offline_bytes": sum(r["offline_bytes_sent"] + r["offline_bytes_received"]
+                                 for r in ((a, b)[p] for p in offline_parties)),
             "seconds": max(a["seconds"], b["seconds"]),
             "calls": a["calls"],
         })

@@ -110,7 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", help="deployment directory (default: a new temporary one, removed "
                                      "after a successful run)")
     p.add_argument("--keep", action="store_true", help="keep the temporary deployment directory")
-    p.add_argument("--timeout", type=float, default=540.0, help="give up after this many seconds (540)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="give up after this many seconds (540; 1800 with --offline two-party, where every "
+                        "FL round's range check starts a two-party engine: about 10 s a round here)")
     p.add_argument("--n", type=int, default=8, help="--runtime: vector length (8)")
     p.add_argument("--seed", type=int, default=4, help="--runtime: seed of the input values (4)")
 
@@ -270,6 +272,8 @@ def _ranges(rounds: list[int]) -> str:
 def run_service_demo(args: argparse.Namespace) -> int:
 
     t_start = time.monotonic()
+    if args.timeout is None:
+        args.timeout = 1800.0 if args.offline == "two-party" else 540.0
     deadline = t_start + args.timeout
     temp = args.workdir is None
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="starfish-demo-"))
