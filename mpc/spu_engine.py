@@ -418,8 +418,8 @@ class _Child:
 
         jnp = _jnp
         self.spu, self.libspu, self.frontend, self.jax = spu, libspu, frontend, jax
-        self._quiet_logging()
         self.p = params
+        self._quiet_logging()
         self.meter = Meter()
         self.kind = "online"
         self.relays = RelayPair(self.meter, lambda: self.kind, params["link"], listen_host=params["listen_host"])
@@ -431,6 +431,9 @@ class _Child:
     def _quiet_logging(self) -> None:
         opts = self.libspu.logging.LogOptions()
         opts.enable_console_logger = True    # errors only: a daemon's log must show why a link died
+        # the library also writes a log file (default: spu.log in the working directory); keep it
+        # in the session's private directory, removed with it
+        opts.system_log_path = os.path.join(self.p["dir"], "spu.log")
         # STARFISH_ENGINE_LOG=info shows the library's own link events (for diagnosing a link)
         level = os.environ.get("STARFISH_ENGINE_LOG", "error").upper()
         opts.log_level = getattr(self.libspu.logging.LogLevel, level, self.libspu.logging.LogLevel.ERROR)
