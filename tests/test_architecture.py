@@ -135,3 +135,25 @@ def test_a_client_process_loads_neither_server_code_nor_the_2pc_engine():
             "print(sorted(m for m in ('servers', 'protocols', 'crypten', 'bench') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _external_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_only_the_engine_seam_imports_spu_or_jax():
+    users = sorted(m for m, p in _modules().items() if _external_imports(p) & {"spu", "jax", "jaxlib"})
+    assert users == ["mpc.spu_engine"]
+
+
+def test_the_dealer_mode_session_does_not_load_spu():
+    code = ("import sys, mpc.session, mpc.launcher, protocols, protocols.starfish.stage2; "
+            "print(sorted(m for m in ('spu', 'jax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -16,9 +16,11 @@ from starfish.demo import ProcessGroup
 class Deployment:
     """A scratch deployment plus the processes started for it (stopped by ``close``)."""
 
-    def __init__(self, root: Path, *, clients: int, overrides: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, root: Path, *, clients: int, overrides: dict[str, dict[str, Any]],
+                 offline: str = "dealer") -> None:
         self.root = root
-        self.config_path = write_scratch_deployment(root, clients=clients, overrides=overrides)
+        self.config_path = write_scratch_deployment(root, clients=clients, overrides=overrides,
+                                                    offline=offline)
         self.cfg: ServiceConfig = load_config(self.config_path)
         self.procs = ProcessGroup(root / "logs")
         self.env = {k: v for k, v in os.environ.items() if k != "STARFISH_CRASH_AT"}

@@ -1,0 +1,118 @@
+"""The service in two-party mode: two servers, simulated clients, and no dealer anywhere.
+
+3 clients, 3 FL rounds (each closed after a two-party range check), client 0 asks to be forgotten,
+the servers unlearn it in 2PC with every correlation made between themselves, adopt the result as
+round 4, and FL goes on for one round. Oracles: plaintext FedAvg for every FL round (the clients'
+own check), the plaintext Stage II on the twin history (same selected rounds and flags, model
+within 1e-3), and the deployment itself: no dealer process was started, nothing listens on the
+dealer's configured port, and ``starfish dealer`` refuses to start for this config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from clients.simulator import build_federation
+from mpc import wire
+from protocols.starfish import run_stage2
+from protocols.starfish.ports import history_prefix
+from servers.lab.history import NpzHistory
+from servers.share_store import ShareStore
+from servers.unlearning_jobs import starfish_params
+from starfish.service_commands import federation_spec
+from tests.helpers.service_harness import Deployment
+
+pytestmark = pytest.mark.timeout(600)
+N, FL_ROUNDS, ASK_AT = 3, 4, 3
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    dep = Deployment(tmp_path_factory.mktemp("two-party"), clients=N, overrides={"fl": {"rounds": FL_ROUNDS}},
+                     offline="two-party")
+    try:
+        dep.start_server(1)
+        dep.start_server(0)
+        dep.wait_ready()
+        clients = dep.start("clients", ["clients", "--n", str(N), "--backdoor", "0", "--unlearn", f"0@{ASK_AT}",
+                                        "--twin-dir", str(dep.root / "twin"),
+                                        "--summary", str(dep.root / "summary.json"), "--max-seconds", "420"])
+        assert clients.wait(480) == 0, dep.log("clients") + dep.log("server0") + dep.log("server1")
+        summary = json.loads((dep.root / "summary.json").read_text())
+        job = next(iter(summary["jobs"]))
+        recs = []
+        for p in (0, 1):
+            with dep.client("admin", p) as c:
+                recs.append(c.call("job_status", job=job, with_model=True))
+        dealer_port_open = _listening(dep.cfg.dealer.endpoint().address)
+        names = sorted(dep.procs.procs)
+    finally:
+        dep.close()
+    yield dep, summary, recs, dealer_port_open, names
+
+
+def _listening(address) -> bool:
+    try:
+        socket.create_connection(address, timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _model(rec):
+    return wire.decode_tensor(rec["model"], "model", ("<f8",), tuple(rec["model"]["shape"]))
+
+
+def test_no_dealer_exists_and_none_may_start(run):
+    dep, _, _, dealer_port_open, names = run
+    assert dep.cfg.offline == "two-party"
+    assert not dealer_port_open
+    assert names == ["clients", "server0", "server1"]
+    out = subprocess.run([sys.executable, "-m", "starfish.cli", "dealer", "--config", str(dep.config_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "two-party" in out.stderr
+
+
+def test_the_job_is_adopted_and_equals_the_plaintext_twin(run):
+    dep, summary, recs, _, _ = run
+    assert [r["state"] for r in recs] == ["done", "done"]
+    assert np.array_equal(_model(recs[0]), _model(recs[1]))
+    assert summary["fedavg_max_abs_error"] < 1e-4
+    assert summary["refused_uploads"]["0"].startswith("forgotten")
+    args = argparse.Namespace(dataset=None, data_dir=None, n=N, seed=None, backdoor="0",
+                              epochs=None, lr=None, train_limit=None)
+    fed = build_federation(federation_spec(dep.cfg, args))
+
+    class Plain:
+        def exact_updates(self, r, model, ids):
+            return {j: fed.clients[j].train(model, r).update.to(torch.float64) for j in ids}
+
+    res = recs[0]["result"]
+    twin = NpzHistory(summary["twin_dir"])
+    plain = run_stage2(None, history_prefix(twin, res["rounds"]), [0], starfish_params(dep.cfg), Plain())
+    assert res["selected_rounds"] == plain.selected_rounds
+    assert {int(k): v for k, v in res["flags"].items()} == plain.flags
+    assert np.abs(_model(recs[0]) - plain.model.numpy()).max() < 1e-3
+    for p in (0, 1):
+        with ShareStore(dep.cfg.data_dir(p) / "store", party=p) as st:
+            assert st.round_kind(ASK_AT + 1) == "unlearning" and sorted(st.forgotten()) == [0]
+            assert np.array_equal(st.model(ASK_AT + 1), _model(recs[0]))
+
+
+def test_the_job_metered_the_engine_and_no_dealer(run):
+    _, _, recs, _, _ = run
+    meters = recs[0]["result"]["meters"]
+    total = meters["total"]
+    # the engine's traffic (comparisons: online; triples: offline) is on the one server link
+    assert total["online_bytes_sent"] + total["online_bytes_received"] > 0
+    assert total["offline_bytes_sent"] + total["offline_bytes_received"] > 0
+    assert meters["wire"]["offline"]["sent"] + meters["wire"]["offline"]["received"] \
+        == total["offline_bytes_sent"] + total["offline_bytes_received"]
