@@ -91,15 +91,9 @@ def prog_matmul(a, b):
     return jnp.matmul(a, b)
 
 
-def prog_exceed(hi, lo, thr, z):
-    y = hi + (lo >= 0).astype(jnp.int32)
+def prog_exceed(y, thr, z):
     a = jnp.abs(thr)
     return jnp.any((y >= a) | (y <= -a)).astype(jnp.int32).reshape(1) + z
-
-
-def prog_exceed_plain(hi, thr, z):
-    a = jnp.abs(thr)
-    return jnp.any((hi >= a) | (hi <= -a)).astype(jnp.int32).reshape(1) + z
 
 
 PRODUCTS = {"mul": prog_mul, "matmul": prog_matmul}
@@ -316,18 +310,20 @@ class SpuEngine:
         return self.floor(share, d)
 
     def rows_exceed(self, x: np.ndarray, drop_bits: int, d: np.ndarray) -> np.ndarray:
-        """Public flags, one per row of ``x`` (rows, m): does some |floor(x / 2**drop_bits)|
-        reach |d| (d: one shared threshold per row)? SecTC's test, opened per row only.
+        """Public flags, one per row of ``x`` (rows, m): does some |y| reach |d|, where y is
+        x / 2**drop_bits truncated (floor or one less) and d one shared threshold per row?
+        SecTC's test, opened per row only.
 
         Why 32 bits: SecTC's documented domain is |x|, |d| < 2**15 at 16 fractional bits, so
         the values fit a 32-bit ring, where a comparison costs about half of a 64-bit one. The
         shares are taken mod 2**32 (a ring homomorphism: still shares of the same value). The
-        truncation by ``drop_bits`` (0 <= k <= 30) is exact and needs only its carry: with the
-        bias 2**62 and the shares read unsigned, floor(x' / 2**k) = (x0 >> k) + (x1 >> k) +
-        carry - w 2**(64 - k), and mod 2**32 the wrap term and the bias's 2**(62 - k) vanish for
-        k <= 30; carry = [x0 mod 2**k + x1 mod 2**k >= 2**k] is a comparison of a value below
-        2**(k + 1). Then |y| >= |d| is [y >= |d|] OR [y <= -|d|], and the per-row OR is taken in
-        the engine: 3 comparisons per coordinate (2 without truncation), one opened bit per row.
+        truncation by ``drop_bits`` (0 <= k <= 30) is local: with the bias 2**62 and the shares
+        read unsigned, floor(x' / 2**k) = (x0 >> k) + (x1 >> k) + carry - w 2**(64 - k), and
+        mod 2**32 the wrap term and the bias's 2**(62 - k) vanish for k <= 30; the carry
+        (0 or 1) is left out, so y is the floor or one less, as the dealer mode's truncation is
+        the floor or one more: the test moves by at most one unit (2**-16) at the threshold.
+        Then |y| >= |d| is [y >= |d|] OR [y <= -|d|], and the per-row OR is taken in the engine:
+        2 comparisons per coordinate, no product, one opened bit per row.
         """
         rows, m = x.shape
         k = int(drop_bits)
@@ -341,16 +337,9 @@ class SpuEngine:
         high = (u >> np.uint64(k)).astype(np.uint32).view(np.int32)
         dd = np.ascontiguousarray(d, dtype=np.int64).view(np.uint64).astype(np.uint32).view(np.int32)
         zero = np.zeros(1, np.int32)
-        if k:
-            low = (u & np.uint64((1 << k) - 1)).astype(np.int64)
-            if self.rank == 0:
-                low = low - (1 << k)
-            low = low.astype(np.int32)   # |low| <= 2**k, k <= 30: exact
-        fn = prog_exceed if k else prog_exceed_plain
         bits = np.empty(rows, dtype=np.int32)
         for r in range(rows):
-            ins = [high[r], low[r]] if k else [high[r]]
-            bits[r] = self.run(f"exceed{k}", fn, [*ins, dd[r : r + 1], zero], bits=32)[0][0]
+            bits[r] = self.run("exceed", prog_exceed, [high[r], dd[r : r + 1], zero], bits=32)[0][0]
         return self.open_public(bits) != 0
 
     def product(self, op: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
