@@ -295,7 +295,7 @@ def run_three(fn: Callable, args: tuple, *, link=None, schedule_path: str | os.P
         _log(f"{label}: recorded {schedule.num_requests} requests in {secs['record']:.1f}s")
     compute = compute_results
     if compute is None and not skip_compute:
-        _log(f"{label}: compute run (material prefetched per step, no emulated link) ...")
+        _log(f"{label}: compute run ({'no dealer: correlations made inside each step' if offline == 'two-party' else 'material prefetched per step'}, no emulated link) ...")
         secs["compute_load_before"] = os.getloadavg()
         t0 = time.perf_counter()
         compute = run_parties(fn, *args, schedule, timeout=timeout, party_args=party_args, offline=offline)
