@@ -344,7 +344,27 @@ class SpuEngine:
 
     def product(self, op: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Share of a op b (``PRODUCTS``: "mul" with broadcasting, "matmul") of two shared
-        operands, ring arithmetic mod 2**64; metered as offline (it makes Beaver triples)."""
+        operands, ring arithmetic mod 2**64; metered as offline (it makes Beaver triples).
+
+        A batched matmul (same leading dimensions) runs one batch entry per engine call, and a
+        large elementwise product in flat batches: the engine's memory grows with the operands
+        of one call (a (19, 582026, 2) matmul in one call held 5.6 GB per party)."""
+        a, b = np.asarray(a), np.asarray(b)
+        if op == "matmul" and a.ndim >= 3 and a.ndim == b.ndim and a.shape[:-2] == b.shape[:-2] \
+                and a.size > _BATCH:
+            lead = a.shape[:-2]
+            a2, b2 = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
+            outs = [self.run("triple-matmul", prog_matmul, [a2[i], b2[i]], kind="offline")[0]
+                    for i in range(a2.shape[0])]
+            return np.stack(outs).reshape(*lead, *outs[0].shape)
+        if op == "mul" and a.shape == b.shape and a.size > _BATCH:
+            flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+            out = np.empty(flat_a.size, dtype=np.int64)
+            for off in range(0, flat_a.size, _BATCH):
+                out[off : off + _BATCH] = self.run("triple-mul", prog_mul, [flat_a[off : off + _BATCH],
+                                                                             flat_b[off : off + _BATCH]],
+                                                   kind="offline")[0]
+            return out.reshape(a.shape)
         return self.run(f"triple-{op}", PRODUCTS[op], [a, b], kind="offline")[0]
 
     # ------------------------------------------------------------------ life
