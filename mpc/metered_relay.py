@@ -79,7 +79,6 @@ class Relay:
         self._stop = threading.Event()
         self._socks: list[socket.socket] = []
         self._peer_socks: list[socket.socket] = []
-        self._kernel_closed = [0, 0]
         self._lock = threading.Lock()
         self._listener = socket.create_server((host, port), backlog=64)
         self._thread = threading.Thread(target=self._accept, name="relay-accept", daemon=True)
@@ -184,7 +183,7 @@ class Relay:
     def kernel_totals(self) -> tuple[int, int]:
         """(sent, received) on the peer-facing sockets as the kernel counts them (TCP_INFO): an
         oracle for the meter that does not share its code."""
-        sent, received = self._kernel_closed
+        sent = received = 0   # connections still open (the engine's are, until the session ends)
         with self._lock:
             for s in self._peer_socks:
                 try:

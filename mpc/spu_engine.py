@@ -79,7 +79,9 @@ def prog_ge0(x, z):
 
 def prog_window(k, x, z):
     # unsigned x < 2**k iff signed x >= 0 and x < 2**k; for x >= 0 the second sign test cannot
-    # wrap, and for x < 0 the first is 0 whatever the second says
+    # wrap, and for x < 0 the first is 0 whatever the second says; for k = 63 the first is all
+    if k == 63:
+        return (x >= 0).astype(jnp.int64) + z
     return ((x >= 0) & (x < np.int64(1 << k))).astype(jnp.int64) + z
 
 
@@ -158,6 +160,7 @@ class SpuEngine:
         self._dir = tempfile.mkdtemp(prefix="starfish-spu-")
         self._proc = None
         self._conn = None
+        self._stuck = False
         try:
             cert, key, pem = _session_certificate(self._dir, f"starfish-spu-{rank}")
             own_host, peer_host = channel.hosts
@@ -178,9 +181,17 @@ class SpuEngine:
                 raise EngineError("malformed two-party link offer from the peer")
             # a link id of its own per session (brpc keeps services of earlier links)
             ids = (nonce, peer["nonce"]) if rank == 0 else (peer["nonce"], nonce)
-            self._call("connect", peer_host, peer["port"],
-                       trust_override if trust_override is not None else peer["cert"],
-                       "starfish-" + b"".join(ids).hex(), timeout=timeout + 60.0)
+            # the library retries a refused handshake for about 10 s an attempt, whatever it is
+            # told: the session's timeout is kept here, by ending the engine process
+            try:
+                self._call("connect", peer_host, peer["port"],
+                           trust_override if trust_override is not None else peer["cert"],
+                           "starfish-" + b"".join(ids).hex(), timeout=timeout)
+            except EngineError as exc:
+                if not self._stuck:
+                    raise
+                raise EngineError(f"the two-party link did not come up within {timeout:.0f}s (a refused "
+                                  "certificate, or no peer engine)") from exc
         except BaseException:
             self.close()
             raise
@@ -188,6 +199,7 @@ class SpuEngine:
     # ------------------------------------------------------------------ plumbing
     def _reply(self, timeout: float):
         if not self._conn.poll(timeout):
+            self._stuck = True   # close() ends it at once: it would not hear a close request
             raise EngineError(f"the two-party engine did not answer within {timeout:.0f}s")
         try:
             status, value, counts = self._conn.recv()
@@ -350,6 +362,9 @@ class SpuEngine:
         large elementwise product in flat batches: the engine's memory grows with the operands
         of one call (a (19, 582026, 2) matmul in one call held 5.6 GB per party)."""
         a, b = np.asarray(a), np.asarray(b)
+        if a.size == 0 or b.size == 0:   # nothing to compute (the engine would return a public value)
+            shape = (np.matmul if op == "matmul" else np.multiply)(np.zeros(a.shape), np.zeros(b.shape)).shape
+            return np.zeros(shape, dtype=np.int64)
         if op == "matmul" and a.ndim >= 3 and a.ndim == b.ndim and a.shape[:-2] == b.shape[:-2] \
                 and a.size > _BATCH:
             lead = a.shape[:-2]
@@ -382,7 +397,9 @@ class SpuEngine:
         """End the session: the engine process meets the peer's at a barrier of the link, stops
         it and exits; whatever the library does while tearing down stays in that process."""
         conn, proc = self._conn, self._proc
-        if conn is not None:
+        if proc is not None and self._stuck:
+            proc.kill()
+        if conn is not None and not self._stuck:
             try:
                 with self._lock:
                     conn.send(("close", ()))
@@ -393,6 +410,7 @@ class SpuEngine:
                             log.warning("two-party engine: %s", value)
             except (EOFError, OSError):
                 pass
+        if conn is not None:
             self._conn = None
             conn.close()
         if proc is not None:
@@ -476,7 +494,7 @@ class _Child:
             opts.cert.private_key_path = p["key"]
             opts.verify.ca_file_path = peer_cert
             opts.verify.verify_depth = 1
-        desc.connect_retry_times = max(1, int(min(p["timeout"], 30.0) / 0.5))
+        desc.connect_retry_times = max(1, int(p["timeout"] / 0.5))   # the parent ends us at its timeout
         desc.connect_retry_interval_ms = 500
         desc.recv_timeout_ms = int(p["timeout"] * 1000)
         desc.http_timeout_ms = int(p["timeout"] * 1000)

@@ -58,9 +58,12 @@ def truncate_share(share: torch.Tensor, d: Any) -> torch.Tensor:
         if not 1 <= d <= RANGE_BITS:
             raise ValueError(f"truncation by d bits needs 1 <= d <= {RANGE_BITS}, got {d}")
         lo = hi = d
+    provider = crypten.mpc.get_default_provider()
+    if hasattr(provider, "floor_share"):   # two-party mode: the engine truncates (exactly)
+        return provider.truncate_share(share, exps if per_element else d)
     comm = crypten.communicator.get()
     rank = comm.get_rank()
-    r, top, highs = crypten.mpc.get_default_provider().trunc_pairs(tuple(share.shape), lo, hi)
+    r, top, highs = provider.trunc_pairs(tuple(share.shape), lo, hi)
     biased = share + (1 << RANGE_BITS) if rank == 0 else share
     c = comm.all_reduce(biased + r)
     c_top_clear = 1 - ((c >> 63) & 1)

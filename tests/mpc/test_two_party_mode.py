@@ -13,8 +13,12 @@ SecretFlow SPU's CHEETAH). Checked here:
    (``tests/protocols/test_primitives_2pc.py``, ``tests/protocols/test_upload_range.py``) and held
    to the same tolerances (round counts are not compared: the engine's are another protocol's);
 3. a two-party job starts no dealer process and its parties hold no dealer link;
-4. the engine's traffic is metered (relay count == kernel TCP_INFO count, within 1%; the party
-   meter includes it) and the emulated link applies to it.
+4. the engine's traffic is metered: the relays' counts against the kernel's (TCP_INFO, own
+   sockets within 1% received / 3% sent, since tcpi_bytes_sent also counts retransmissions; the
+   peer's received count within 0.1%), the party meter includes them, and the emulated link
+   applies to them. One known defect is a non-strict xfail with its reason: engine bytes sent
+   after a call returned are counted at the next call, so per-step attribution can shift
+   (session totals are right).
 
 A session costs several seconds (SPU link and OT set-up), so the primitives and protocols share
 one long-lived two-party session (fixture ``tp``); each hypothesis example evaluates a whole
@@ -32,7 +36,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import mpc.launcher as launcher
-from mpc import LinkProfile, run_parties
+from mpc import LinkProfile, PartyError, run_parties
 from mpc.crypten_compat import crypten
 from mpc.party_pair import PartyPair
 from tests.protocols import test_primitives_2pc as dealer_2pc
@@ -52,7 +56,8 @@ LENGTHS = [0, 1, 2, 7, 64, 65, 130]
 # ============================================================================ helpers (test side)
 def recon(s0, s1) -> np.ndarray:
     """The ring value of two int64 shares (sum mod 2**64, read signed)."""
-    return (np.asarray(s0, dtype=np.int64).view(np.uint64) + np.asarray(s1, dtype=np.int64).view(np.uint64)).view(np.int64)
+    u0 = np.asarray(s0, dtype=np.int64).view(np.uint64)
+    return (u0 + np.asarray(s1, dtype=np.int64).view(np.uint64)).view(np.int64)
 
 
 def split(x: np.ndarray, how: str, rng: np.random.Generator):
@@ -136,12 +141,16 @@ def _share(x) -> np.ndarray:
 
 
 def _attempt(fn):
-    """Result of ``fn`` or the name of the error it raised. Only errors raised before any
-    exchange (identically in both parties) may be caught, or the session desynchronises."""
+    """Result of ``fn`` or the name of the error it raised. Only errors raised identically in
+    both parties (before any exchange, or by the engine in both) may be caught, or the session
+    desynchronises; the tests check that both parties report the same."""
+    from mpc.spu_engine import EngineError
+    from mpc.two_party_provider import NotInTwoPartyMode
+
     try:
         return fn()
-    except (ValueError, OverflowError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
+    except (ValueError, OverflowError, TypeError, EngineError, NotInTwoPartyMode) as exc:
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
 def primitives_program(party, batch: dict) -> dict:
@@ -177,14 +186,17 @@ def primitives_program(party, batch: dict) -> dict:
         out["fx"].append({"mul": _share(a * b), "mul_pub": _share(a * pb), "sq": _share(a.square()),
                           "self": _share(a * a)})
     out["fx_mm"] = []
-    for (v0, v1), (m0, m1) in batch["fx_mm"]:
+    for (v0, v1), (m0, m1), pub in batch["fx_mm"]:
         v, m = _mine(party, v0, v1, F), _mine(party, m0, m1, F)
-        out["fx_mm"].append({"vm": _share(v.matmul(m)), "vv": _share(v.matmul(v))})
+        out["fx_mm"].append({"vm": _share(v.matmul(m)), "vv": _share(v.matmul(v)),
+                             "vm_pub": _share(v.matmul(torch.from_numpy(pub)))})
     out["ring"] = []
     for (a0, a1), (b0, b1), pub in batch["ring"]:
         a, b = _mine(party, a0, a1), _mine(party, b0, b1)
         out["ring"].append({"mul": _share(a * b), "mul_pub": _share(a * torch.from_numpy(pub)),
                             "sq": _share(a.square()), "self": _share(a * a)})
+    rA, rB = crypten.mpc.get_default_provider().B2A_rng((batch["b2a"],))
+    out["b2a"] = (_share(rA), rB.share.numpy().copy())
     out["ring_mm"] = []
     for (v0, v1), (m0, m1), (w0, w1) in batch["ring_mm"]:
         v, m, w = _mine(party, v0, v1), _mine(party, m0, m1), _mine(party, w0, w1)
@@ -201,9 +213,24 @@ def tp():
         yield p
 
 
+def _fail_with_tracebacks(exc: PartyError):
+    pytest.fail(f"{exc}\n" + "\n".join(f"--- party {r}:\n{msg}" for r, msg in sorted(exc.errors.items())))
+
+
 def call_both(tp, fn, *args):
-    v0, v1 = tp.call(fn, *args)
+    """Both parties' values of one call on the long-lived session (full tracebacks on failure)."""
+    try:
+        v0, v1 = tp.call(fn, *args)
+    except PartyError as exc:
+        _fail_with_tracebacks(exc)
     return v0, v1
+
+
+def run(*args, **kwargs):
+    try:
+        return run_parties(*args, **kwargs)
+    except PartyError as exc:
+        _fail_with_tracebacks(exc)
 
 
 # ============================================================================ 1. primitives
@@ -214,7 +241,8 @@ def primitive_batches(draw):
     xs = draw(ring_vector())
     ts = draw(ring_vector(-TRUNC_MAX, TRUNC_MAX))
     ks = draw(st.lists(st.sampled_from(K_ALL), min_size=2, max_size=4))
-    ds = draw(st.lists(st.one_of(st.sampled_from([1, 2, 16, 32, 61, 62]), st.sampled_from(D_ALL)), min_size=2, max_size=4))
+    ds = draw(st.lists(st.one_of(st.sampled_from([1, 2, 16, 32, 61, 62]), st.sampled_from(D_ALL)),
+                       min_size=2, max_size=4))
     fx = draw(st.lists(bounded_pair(62), min_size=1, max_size=12))
     rows = draw(st.integers(1, 4))
     cols = draw(st.integers(1, 5))
@@ -228,7 +256,7 @@ def build_primitives(spec: dict):
     x = as_int64(spec["xs"])
     t = as_int64(spec["ts"])
     batch: dict = {"sign": [], "below": [], "floor": [], "div": [], "div_each": [], "fx": [], "fx_mm": [],
-                   "ring": [], "ring_mm": []}
+                   "ring": [], "ring_mm": [], "b2a": 257}
     want: dict = {"sign": [], "below": [], "floor": [], "div": [], "div_each": []}
     # sign test: 1-D, a 2-D batch, a transposed and a strided view (shares not contiguous)
     n = x.size
@@ -276,8 +304,10 @@ def build_primitives(spec: dict):
     mat = rng.integers(-(2 ** (59 - bits)), 2 ** (59 - bits), size=(rows, cols), dtype=np.int64)
     if rows > 0:
         v[0] = 1                                        # one fixed-point unit
-    batch["fx_mm"].append((split(v, how, rng), split(mat, how, rng)))
-    want["fx_mm"] = dict(v=py(v), m=py(mat))
+    pbits = min(52, 59 - bits)                          # public entries exactly on the grid
+    pmat = rng.integers(-(2**pbits), 2**pbits, size=(rows, cols), dtype=np.int64)
+    batch["fx_mm"].append((split(v, how, rng), split(mat, how, rng), pmat.astype(np.float64) / 2**F))
+    want["fx_mm"] = dict(v=py(v), m=py(mat), p=py(pmat))
     # precision 0: whole-ring Beaver products, exact mod 2**64
     ra = np.concatenate([x, t, as_int64(EDGES)])       # never empty: see the empty-product test
     rb = np.roll(ra, 1)
@@ -348,6 +378,9 @@ def check_primitives(r0: dict, r1: dict, batch: dict, want: dict) -> None:
     v, m = wm["v"], wm["m"]
     exact_vm = [sum(v[i] * m[i][j] for i in range(len(v))) for j in range(len(m[0]))]
     _floor_or_one_more(recon(mm0["vm"], mm1["vm"]), exact_vm, "vector @ matrix")
+    pm = wm["p"]
+    exact_pub = [sum(v[i] * pm[i][j] for i in range(len(v))) for j in range(len(pm[0]))]
+    _floor_or_one_more(recon(mm0["vm_pub"], mm1["vm_pub"]), exact_pub, "vector @ public matrix")
     if max(abs(t) for t in v) < 2**29:
         _floor_or_one_more(recon(mm0["vv"], mm1["vv"]).reshape(1), [sum(t * t for t in v)], "vector @ vector")
     # precision 0: exact in the ring (mod 2**64) for whole-ring operands
@@ -357,6 +390,10 @@ def check_primitives(r0: dict, r1: dict, batch: dict, want: dict) -> None:
     assert py(recon(g0["mul_pub"], g1["mul_pub"])) == [ring(p * q) for p, q in zip(ra, rp)]
     assert py(recon(g0["sq"], g1["sq"])) == [ring(p * p) for p in ra]
     assert py(recon(g0["self"], g1["self"])) == [ring(p * p) for p in ra]
+    # CrypTen's random bits (B2A_rng): one bit shared additively and by XOR, the same bit
+    (ra0, rb0), (ra1, rb1) = r0["b2a"], r1["b2a"]
+    bits = recon(ra0, ra1)
+    assert np.array_equal(bits, rb0 ^ rb1) and set(np.unique(bits).tolist()) == {0, 1}
     h0, h1, wm = r0["ring_mm"][0], r1["ring_mm"][0], want["ring_mm"]
     v, m, w = wm["v"], wm["m"], wm["w"]
     cols = len(m[0])
@@ -391,9 +428,6 @@ def below_63_program(party, s0, s1):
     return _attempt(lambda: _share(below_power_of_two(_mine(party, s0, s1), 63)))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="library bug: SpuEngine.below_power_of_two builds np.int64(1 << k), which overflows "
-                          "for k = 63 (documented 1 <= k <= 63; the dealer path accepts it)")
 def test_below_power_of_two_63_is_the_sign_bit(tp):
     rng = np.random.default_rng(63)
     x = np.array(EDGES + rng.integers(LO, HI, 40, dtype=np.int64, endpoint=True).tolist(), dtype=np.int64)
@@ -664,9 +698,6 @@ def test_upload_range_in_two_party_mode(tp):
         assert b.tolist() == [int(int(v) % 2**64 < 2**k) for v in x], k
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="library bug: norm_bits/delta_bits = 63 need below_power_of_two(y, 63), which "
-                          "raises OverflowError in SpuEngine.below_power_of_two (np.int64(1 << 63))")
 def test_upload_range_with_63_bit_windows_in_two_party_mode(tp):
     cases, wants = _upload_cases(UPLOAD_SPECS_63)
     got0, got1 = call_both(tp, upload_program, cases)
@@ -675,11 +706,34 @@ def test_upload_range_with_63_bit_windows_in_two_party_mode(tp):
         assert g0 == g1 == want
 
 
+def rescale_program(party, values):
+    """``protocols.backend.rescale`` of a raw product (32 fractional bits) to 16 bits: one
+    truncation by 16 bits (used by protocols/starfish: round selection, SecTC)."""
+    from protocols import backend as B
+
+    x = crypten.cryptensor(torch.from_numpy(values), src=0)
+    raw = B.relabel(B.raw_mul(x, x), 2 * F)
+    return _attempt(lambda: (_share(B.rescale(raw)), B.bits_of(B.rescale(raw))))
+
+
+def test_backend_rescale_in_two_party_mode(tp):
+    values = np.array([1.5, -2.25, 2.0**-16, -(2.0**10) + 2.0**-16, 0.0])
+    got0, got1 = call_both(tp, rescale_program, values)
+    assert not isinstance(got0, str), got0
+    (r0, bits0), (r1, bits1) = got0, got1
+    assert bits0 == bits1 == F
+    enc = [int(v * 2**F) for v in values]
+    _floor_or_one_more(recon(r0, r1), [e * e for e in enc], "rescale(x_enc**2 at 32 bits)")
+
+
 # ============================================================================ 3. no dealer
 def who_am_i(party):
+    import multiprocessing
+
     from mpc import session
 
-    return {"dealer_is_none": party.dealer is None, "offline": party.offline,
+    return {"children": sorted(p.name for p in multiprocessing.active_children()),
+            "dealer_is_none": party.dealer is None, "offline": party.offline,
             "provider": crypten.mpc.get_default_provider().NAME,
             "engine": type(party.engine).__name__ if party.engine is not None else None,
             "engine_active": session._two_party.engine is party.engine}
@@ -705,7 +759,7 @@ def _recording_context(started: list):
 def test_a_two_party_job_starts_no_dealer(monkeypatch):
     started: list = []
     monkeypatch.setattr(launcher, "mp_context", _recording_context(started))
-    res = run_parties(who_am_i, offline="two-party", timeout=120)
+    res = run(who_am_i, offline="two-party", timeout=120)
     assert sorted(started) == ["party0", "party1"], started      # no third process
     for rank, v in enumerate(res.values):
         assert v["dealer_is_none"], rank
@@ -713,11 +767,13 @@ def test_a_two_party_job_starts_no_dealer(monkeypatch):
         assert v["provider"] == "STARFISH_TWO_PARTY"
         assert v["engine"] == "SpuEngine"
         assert v["engine_active"]
+        assert v["children"] == [f"engine{rank}"]     # the party's only child: its SPU engine
     # control: the recorder does see the dealer of a dealer-mode job
     started.clear()
-    res = run_parties(who_am_i, timeout=120)
+    res = run(who_am_i, timeout=120)
     assert sorted(started) == ["dealer", "party0", "party1"], started
     assert res.values[0]["offline"] == "dealer" and not res.values[0]["dealer_is_none"]
+    assert res.values[0]["children"] == res.values[1]["children"] == []
     # an unknown mode is refused before anything starts
     started.clear()
     with pytest.raises(ValueError):
@@ -734,28 +790,59 @@ def _engine_work(eng, n, rank):
     eng.below_power_of_two(s, 20)
 
 
+def _settle(party):
+    """Wait until the engine's link is quiet in both parties: everything either sent has been
+    received (the library sends asynchronously, after its call returned)."""
+    comm = crypten.communicator.get()
+    comm.barrier()
+    time.sleep(0.3)
+    comm.barrier()
+    return party.engine.socket_bytes, party.engine.kernel_bytes
+
+
 def metering_program(party, n):
     eng = party.engine
-    comm = crypten.communicator.get()
-
-    def settled():
-        comm.barrier()
-        time.sleep(0.3)      # let the relays' last chunks land
-        comm.barrier()
-        return eng.socket_bytes, eng.kernel_bytes, party.meters()
-
-    sock0, kern0, _ = settled()
+    sock0, kern0 = _settle(party)
     with party.meter("engine-cmp"):
         _engine_work(eng, n, party.rank)
+        _settle(party)    # inside the step: the engine's late bytes are accounted to it
     with party.meter("engine-product"):
         rng = np.random.default_rng(7 + party.rank)
         a = rng.integers(LO, HI, n, dtype=np.int64, endpoint=True)
-        eng.product("mul", lambda u, v: u * v, a, a)
-    sock1, kern1, meters = settled()
+        eng.product("mul", a, a)
+        _settle(party)
+    sock1, kern1 = _settle(party)
+    meters = party.meters()
     key = party.metering.open_steps()[-1]
     steps = {k[len(key) + 1:]: v for k, v in meters["steps"].items() if k.startswith(key + "/")}
     return dict(sock0=sock0, kern0=kern0, sock1=sock1, kern1=kern1, total=meters["total"],
                 wire=meters["wire"], steps=steps)
+
+
+def step_attribution_program(party, n, reps):
+    """Per rep: a step with one engine comparison, a step with one engine product (nothing
+    else; each closed as soon as the call returns), and the socket counts once the link is
+    quiet after each. Returns per step (name, the meter's online and offline bytes sent and
+    received, the sockets' growth (sent, received))."""
+    eng = party.engine
+    key = party.metering.open_steps()[-1]
+    rng = np.random.default_rng(70 + party.rank)
+    before = _settle(party)[0]
+    out = []
+    for i in range(reps):
+        a = rng.integers(LO, HI, n, dtype=np.int64, endpoint=True)
+        for name in (f"cmp{i}", f"prod{i}"):
+            with party.meter(name):
+                if name.startswith("cmp"):
+                    eng.nonnegative(a)
+                else:
+                    eng.product("mul", a, a)
+            after = _settle(party)[0]
+            row = party.meters()["steps"][f"{key}/{name}"]
+            meter = {f"{k}_{d}": row[f"{k}_bytes_{d}"] for k in ("online", "offline") for d in ("sent", "received")}
+            out.append((name, meter, (after[0] - before[0], after[1] - before[1])))
+            before = after
+    return out
 
 
 def _within(a: int, b: int, rel: float = 0.01) -> bool:
@@ -763,19 +850,30 @@ def _within(a: int, b: int, rel: float = 0.01) -> bool:
 
 
 def test_engine_traffic_is_metered_at_its_sockets(tp):
+    """The relays' byte counts (what the meter gets) against the kernel's TCP_INFO counts on the
+    same sockets. Received: tcpi_bytes_received counts each byte once, so the two agree (1%,
+    in practice exactly). Sent: tcpi_bytes_sent also counts TCP retransmissions, which happen
+    on a busy loopback (``ss -ti`` showed bytes_retrans up to 1.2% of a call's bytes), so the
+    kernel's figure may only exceed ours, by a few percent at most; the exact oracle for what
+    this party sent is what the peer's kernel received."""
     res = call_both(tp, metering_program, 20000)
     for rank, r in enumerate(res):
+        other = res[1 - rank]
         (s_sent, s_recv), (k_sent, k_recv) = r["sock1"], r["kern1"]
         assert s_sent > 1_000_000 and s_recv > 1_000_000, r["sock1"]   # OT set-up and the work above
-        # cumulative, relay count vs the kernel's count on the same sockets
-        assert _within(s_sent, k_sent), (rank, "sent", s_sent, k_sent)
+        # cumulative: the relays' count against the kernel's on the same sockets
         assert _within(s_recv, k_recv), (rank, "received", s_recv, k_recv)
+        assert s_sent <= k_sent * 1.001 and _within(s_sent, k_sent, 0.03), (rank, "sent", s_sent, k_sent)
+        # what this party's relays sent is exactly what the peer's kernel took in
+        assert _within(s_sent, other["kern1"][1], 0.001), (rank, s_sent, other["kern1"][1])
         # over this call's work alone
         d_sent, d_recv = s_sent - r["sock0"][0], s_recv - r["sock0"][1]
         dk_sent, dk_recv = k_sent - r["kern0"][0], k_recv - r["kern0"][1]
         assert d_sent > 100_000 and d_recv > 100_000
-        assert _within(d_sent, dk_sent), (rank, "sent in call", d_sent, dk_sent)
         assert _within(d_recv, dk_recv), (rank, "received in call", d_recv, dk_recv)
+        assert d_sent <= dk_sent * 1.001 and _within(d_sent, dk_sent, 0.03), (rank, "sent in call", d_sent, dk_sent)
+        peer_in = other["kern1"][1] - other["kern0"][1]
+        assert _within(d_sent, peer_in, 0.001), (rank, "sent in call vs the peer's kernel", d_sent, peer_in)
         # the party's meter holds at least the engine's bytes (it also holds the channel's)
         tot = r["total"]
         assert tot["online_bytes_sent"] + tot["offline_bytes_sent"] >= s_sent
@@ -783,15 +881,38 @@ def test_engine_traffic_is_metered_at_its_sockets(tp):
         wire = r["wire"]
         assert wire["online"]["sent"] + wire["offline"]["sent"] >= s_sent
         assert wire["online"]["received"] + wire["offline"]["received"] >= s_recv
-        # the steps with engine work only account for it (comparisons online, products offline)
+        # the steps that hold only engine work (and a settling barrier on the channel) account
+        # for it: comparisons online, products offline (bytes the library sends after a product
+        # returned are counted online, see the next test: so no exact split here)
         cmp_, prod = r["steps"]["engine-cmp"], r["steps"]["engine-product"]
         step_sent = sum(s[f"{k}_bytes_sent"] for s in (cmp_, prod) for k in ("online", "offline"))
         step_recv = sum(s[f"{k}_bytes_received"] for s in (cmp_, prod) for k in ("online", "offline"))
-        assert _within(step_sent, d_sent, 0.02), (rank, step_sent, d_sent)
-        assert _within(step_recv, d_recv, 0.02), (rank, step_recv, d_recv)
-        assert cmp_["online_bytes_sent"] >= 0.9 * (cmp_["online_bytes_sent"] + cmp_["offline_bytes_sent"])
-        assert prod["offline_bytes_sent"] >= 0.9 * (prod["online_bytes_sent"] + prod["offline_bytes_sent"])
-        assert prod["offline_bytes_sent"] > 0
+        assert d_sent <= step_sent <= 1.01 * d_sent, (rank, step_sent, d_sent)
+        assert d_recv <= step_recv <= 1.01 * d_recv, (rank, step_recv, d_recv)
+        assert cmp_["offline_bytes_sent"] == 0 and cmp_["online_bytes_sent"] > 0
+        assert prod["offline_bytes_sent"] > 0 and prod["offline_bytes_received"] > 0
+
+
+@pytest.mark.xfail(strict=False, raises=AssertionError,
+                   reason="library bug (intermittent): the engine's bytes reach the session meter only when "
+                          "the engine process answers a call (SpuEngine._account); bytes the library sends "
+                          "after its call returned are counted at the next call, in whatever step is open "
+                          "then, and with the kind of traffic of that moment (a product's late bytes are "
+                          "counted online). Measured: 1 to 3 of 16 steps short, by up to 25% of their sent "
+                          "bytes; 377 kB of a product's 3.6 MB counted online")
+def test_engine_bytes_are_counted_in_the_step_that_sent_them(tp):
+    res = call_both(tp, step_attribution_program, 20000, 4)
+    wrong = []
+    for rank, rows in enumerate(res):
+        for name, m, (sent, received) in rows:
+            step_sent = m["online_sent"] + m["offline_sent"]
+            step_recv = m["online_received"] + m["offline_received"]
+            late = step_sent < 0.99 * sent or step_recv < 0.99 * received
+            # a product is offline work (Beaver triples): its bytes must not be counted online
+            misfiled = name.startswith("prod") and m["online_sent"] + m["online_received"] > 0.01 * (sent + received)
+            if late or misfiled:
+                wrong.append((rank, name, m, (sent, received)))
+    assert not wrong, f"(rank, step, meter, sockets (sent, received)): {wrong}"
 
 
 def timed_engine_program(party, n, reps):
@@ -809,7 +930,7 @@ def timed_engine_program(party, n, reps):
 def test_emulated_link_applies_to_engine_traffic(tp):
     latency, n, reps = 0.05, 300, 2
     base = max(call_both(tp, timed_engine_program, n, reps))
-    res = run_parties(timed_engine_program, n, reps, offline="two-party", link=LinkProfile(latency=latency),
+    res = run(timed_engine_program, n, reps, offline="two-party", link=LinkProfile(latency=latency),
                       timeout=120)
     slow = min(res.values)
     # a comparison in the engine is many rounds; 3 operations x reps: far more than 10 latencies
@@ -842,10 +963,6 @@ def empty_products_program(party):
     return out
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="library bug: SpuEngine.product has no empty-input guard; SPU returns a public "
-                          "value for an empty program and _from_share raises EngineError ('SPU returned "
-                          "Pub2k<FM64>, expected cheetah.AShr<FM64>'); dealer mode returns empty results")
 def test_empty_products_and_empty_batches_in_two_party_mode(tp):
     r0, r1 = call_both(tp, empty_products_program)
     assert r0 == r1
