@@ -223,6 +223,34 @@ def _ltz(self: Any) -> Any:
 
 _crypten_mpc.MPCTensor._ltz = _ltz
 
+# ------------------------------------------------------------------ products, two-party mode
+# A Beaver product opens both operands masked (x - a, y - b) after the triple (a, b, ab) was
+# made. Where the provider can compute the product of two sharings directly (two-party mode:
+# the engine's HE product), making the triple costs the same as the product itself, so the
+# Beaver step is skipped: no openings at all. ``direct_product(op, x_share, y_share)`` returns
+# this party's share of ``op(x, y)`` in the ring; other providers keep CrypTen's Beaver.
+from crypten.mpc.primitives import beaver as _beaver  # noqa: E402
+
+_ORIGINAL_BEAVER = {name: getattr(_beaver, name) for name in ("mul", "matmul", "square")}
+
+
+def _direct_or_beaver(name: str) -> Any:
+    def product(x: Any, y: Any = None) -> Any:
+        direct = getattr(crypten.mpc.get_default_provider(), "direct_product", None)
+        if direct is None:
+            return _ORIGINAL_BEAVER[name](x, y) if y is not None else _ORIGINAL_BEAVER[name](x)
+        if name == "square":
+            share = direct("mul", x.share, x.share)
+        else:
+            share = direct(name, x.share, y.share)
+        return ArithmeticSharedTensor.from_shares(share, precision=0)
+    product.__name__ = name
+    return product
+
+
+for _name in ("mul", "matmul", "square"):
+    setattr(_beaver, _name, _direct_or_beaver(_name))
+
 
 def replace_local_truncation(fn: Any) -> None:
     """Every later two-party ``div_`` by a power of two 2**d runs ``fn(share, d)``; None restores."""

@@ -354,9 +354,10 @@ class SpuEngine:
             bits[r] = self.run("exceed", prog_exceed, [high[r], dd[r : r + 1], zero], bits=32)[0][0]
         return self.open_public(bits) != 0
 
-    def product(self, op: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    def product(self, op: str, a: np.ndarray, b: np.ndarray, kind: str = "offline") -> np.ndarray:
         """Share of a op b (``PRODUCTS``: "mul" with broadcasting, "matmul") of two shared
-        operands, ring arithmetic mod 2**64; metered as offline (it makes Beaver triples).
+        operands, ring arithmetic mod 2**64; metered as ``kind``: offline when it makes a Beaver
+        triple, online when it is the product itself (``direct_product``).
 
         A batched matmul (same leading dimensions) runs one batch entry per engine call, and a
         large elementwise product in flat batches: the engine's memory grows with the operands
@@ -369,7 +370,7 @@ class SpuEngine:
                 and a.size > _BATCH:
             lead = a.shape[:-2]
             a2, b2 = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
-            outs = [self.run("triple-matmul", prog_matmul, [a2[i], b2[i]], kind="offline")[0]
+            outs = [self.run("triple-matmul", prog_matmul, [a2[i], b2[i]], kind=kind)[0]
                     for i in range(a2.shape[0])]
             return np.stack(outs).reshape(*lead, *outs[0].shape)
         if op == "mul" and a.shape == b.shape and a.size > _BATCH:
@@ -378,9 +379,9 @@ class SpuEngine:
             for off in range(0, flat_a.size, _BATCH):
                 out[off : off + _BATCH] = self.run("triple-mul", prog_mul, [flat_a[off : off + _BATCH],
                                                                              flat_b[off : off + _BATCH]],
-                                                   kind="offline")[0]
+                                                   kind=kind)[0]
             return out.reshape(a.shape)
-        return self.run(f"triple-{op}", PRODUCTS[op], [a, b], kind="offline")[0]
+        return self.run(f"triple-{op}", PRODUCTS[op], [a, b], kind=kind)[0]
 
     # ------------------------------------------------------------------ life
     @property

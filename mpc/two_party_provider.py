@@ -117,6 +117,13 @@ class TwoPartyProvider(TupleProviderBase):
         raise NotInTwoPartyMode("truncation pairs are not made in two-party mode: truncations run in the engine")
 
     # ---------------------------------------------------------------- whole operations
+    def direct_product(self, op: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """This party's share of x op y (``mul``, ``matmul``) computed by the engine itself, in
+        place of a Beaver triple and its two openings (``mpc.crypten_compat``)."""
+        if op not in _OPS:
+            raise NotInTwoPartyMode(f"{op!r} products are not made in two-party mode")
+        return torch.from_numpy(self._require().product(op, x.numpy(), y.numpy(), kind="online"))
+
     def nonnegative_share(self, share: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self._require().nonnegative(share.numpy()))
 

@@ -38,7 +38,14 @@ def inner(x: Tensor, y: Tensor, dim: int = -1) -> Tensor:
         y = torch.as_tensor(y)
         return (x * y).sum(dim)
     if B.is_shared(x) and B.is_shared(y):
-        raw = B.raw_mul(x, y).sum(dim)
+        if tuple(x.shape) == tuple(y.shape) and len(x.shape) >= 1 and dim in (-1, len(x.shape) - 1) \
+                and x.shape[-1] > 0:
+            # as a batch of (1 x m) @ (m x 1) products: the same openings as m products, but the
+            # correlation is one value per row (the dealer sends 8 bytes, not 8 m; two-party mode's
+            # HE product returns one value instead of m)
+            raw = B.raw_matmul(x.unsqueeze(-2), y.unsqueeze(-1)).reshape(tuple(x.shape[:-1]))
+        else:
+            raw = B.raw_mul(x, y).sum(dim)
         return _same_shape(B.truncate_raw(raw), raw)
     if B.is_shared(y):
         x, y = y, x
