@@ -12,6 +12,13 @@ shared twice: additively in the ring, and bit by bit (XOR) in the bit-plane layo
 ``mpc.bitplanes``. Both parties' plane shares come from their seeds; r is what they XOR
 to, so party 1 again receives only its arithmetic share.
 
+A ``mask`` request is a uniform ring tensor a shared from the two seeds alone (the dealer
+sends nothing for it); a ``mask_matvec`` request refers back to masks by their request
+numbers and yields fresh b and shares of c = sum_k a_k * b_k, which is how one Beaver mask
+serves many products (``mpc.reused_masks``). The dealer rebuilds a mask from the two seeds
+whenever a product names it, so it keeps no secret state, only the numbers and sizes of the
+masks a session asked for (``MaskRegistry``), so that a product can name nothing else.
+
 Each party's share is a uniform ring element given the other party's view, so neither
 server learns the correlated secrets. Requests are plain tuples of ints and strings (no
 pickled objects), so they can be sent to the dealer and recorded as a plan.
@@ -30,7 +37,9 @@ from .prg import Prg
 # Ops for which a party may ask for a Beaver triple c = op(a, b); torch computes them
 # on int64 with wrap-around, which is arithmetic mod 2^64.
 TRIPLE_OPS = ("mul", "matmul", "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d")
-KINDS = ("triple", "square", "binary_triple", "wrap_rng", "b2a_rng", "edabit", "trunc_pair")
+KINDS = ("triple", "square", "binary_triple", "wrap_rng", "b2a_rng", "edabit", "trunc_pair", "mask",
+         "mask_matvec")
+MAX_MASKS_PER_PRODUCT = 64
 MAX_ELEMENTS = 1 << 31  # per tensor in one request; a bound against absurd requests
 
 
@@ -65,8 +74,16 @@ def make_request(kind: str, *args: Any, **kwargs: Any) -> tuple:
                 tuple(sorted((str(k), _plain(v)) for k, v in kwargs.items())))
     if kind == "binary_triple":
         return ("binary_triple", _size(args[0]), _size(args[1]))
-    if kind in ("square", "wrap_rng", "b2a_rng"):
+    if kind in ("square", "wrap_rng", "b2a_rng", "mask"):
         return (kind, _size(args[0]))
+    if kind == "mask_matvec":
+        try:
+            masks = tuple(int(i) for i in args[0])
+        except TypeError:
+            raise RequestError("mask_matvec needs a sequence of mask request numbers") from None
+        if not 1 <= len(masks) <= MAX_MASKS_PER_PRODUCT or any(i < 0 for i in masks):
+            raise RequestError(f"mask_matvec names 1..{MAX_MASKS_PER_PRODUCT} masks, got {masks!r:.200}")
+        return ("mask_matvec", masks, _size(args[1]))
     if kind == "edabit":
         bits = int(args[1])
         if not 1 <= bits <= 64:
@@ -99,7 +116,36 @@ def validate(req: Any) -> tuple:
         if len(req) != 4 or not isinstance(req[2], int) or not isinstance(req[3], int):
             raise RequestError(f"malformed trunc_pair request {req!r:.200}")
         return make_request("trunc_pair", req[1], req[2], req[3])
+    if req[0] == "mask_matvec":
+        if len(req) != 3 or not isinstance(req[1], (list, tuple)):
+            raise RequestError(f"malformed mask_matvec request {req!r:.200}")
+        return make_request("mask_matvec", req[1], req[2])
+    if len(req) != 2:
+        raise RequestError(f"malformed {req[0]} request {req!r:.200}")
     return make_request(req[0], req[1])
+
+
+class MaskRegistry:
+    """The dealer's record of one session's masks: request number -> size.
+
+    A ``mask_matvec`` may name only earlier ``mask`` requests of its own size; otherwise a
+    server could have the dealer multiply by some other request's secret part (a triple's a).
+    Bounded: the oldest masks are forgotten first (a replay keeps only its last B per client).
+    """
+
+    def __init__(self, limit: int = 1 << 16) -> None:
+        self._sizes: dict[int, tuple[int, ...]] = {}
+        self._limit = limit
+
+    def admit(self, req: tuple, index: int) -> None:
+        if req[0] == "mask":
+            self._sizes[index] = req[1]
+            if len(self._sizes) > self._limit:
+                del self._sizes[next(iter(self._sizes))]
+        elif req[0] == "mask_matvec":
+            for i in req[1]:
+                if i >= index or self._sizes.get(i) != req[2]:
+                    raise RequestError(f"request {index} names {i}, which is no earlier mask of size {req[2]}")
 
 
 def _t(a: np.ndarray) -> torch.Tensor:
@@ -166,6 +212,10 @@ def party0_shares(req: tuple, seed0: bytes, index: int) -> tuple[torch.Tensor, .
         return _t(g.ring(req[1])), _t(g.ring(_plane_shape(req)))  # (arithmetic r0, planes of r, share 0)
     if kind == "trunc_pair":  # shares of r, msb(r), and r >> d for d = lo..hi (stacked)
         return _t(g.ring(req[1])), _t(g.ring(req[1])), _t(g.ring((req[3] - req[2] + 1, *req[1])))
+    if kind == "mask":
+        return (_t(g.ring(req[1])),)
+    if kind == "mask_matvec":  # shares of b (one per mask) and of c = sum_k a_k b_k
+        return _t(g.ring((len(req[1]),))), _t(g.ring(req[2]))
     raise RequestError(kind)
 
 
@@ -187,6 +237,10 @@ def party1_free_shares(req: tuple, seed1: bytes, index: int) -> tuple[torch.Tens
         return (_t(g.ring(_plane_shape(req))),)  # planes of r, share 1
     if kind == "trunc_pair":
         return (_t(g.ring(req[1])),)  # share 1 of r; r itself is whatever the shares add to
+    if kind == "mask":
+        return (_t(g.ring(req[1])),)
+    if kind == "mask_matvec":
+        return (_t(g.ring((len(req[1]),))),)
     raise RequestError(kind)
 
 
@@ -218,7 +272,20 @@ def correction(req: tuple, seed0: bytes, seed1: bytes, index: int) -> torch.Tens
         highs = torch.stack([(r >> d) & ((1 << (64 - d)) - 1)   # logical shifts of the unsigned r
                              for d in range(req[2], req[3] + 1)])
         return torch.cat([(top - p0[1]).unsqueeze(0), highs - p0[2]])
+    if kind == "mask":
+        return torch.zeros(0, dtype=torch.long)   # both shares come from the seeds
+    if kind == "mask_matvec":
+        b = p0[0] + p1[0]
+        c = torch.zeros(req[2], dtype=torch.long)
+        for k, i in enumerate(req[1]):
+            c += mask_value(req[2], seed0, seed1, i) * b[k]
+        return c - p0[1]
     raise RequestError(kind)
+
+
+def mask_value(size: tuple[int, ...], seed0: bytes, seed1: bytes, index: int) -> torch.Tensor:
+    """The mask of ``mask`` request ``index``: the sum of the two parties' seed-derived shares."""
+    return _t(Prg(seed0, index).ring(size)) + _t(Prg(seed1, index).ring(size))
 
 
 def party1_shares(req: tuple, seed1: bytes, index: int, corr: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -227,8 +294,10 @@ def party1_shares(req: tuple, seed1: bytes, index: int, corr: torch.Tensor) -> t
     kind = req[0]
     if kind in ("triple", "binary_triple"):
         return free[0], free[1], corr
-    if kind in ("square", "wrap_rng"):
+    if kind in ("square", "wrap_rng", "mask_matvec"):
         return free[0], corr
+    if kind == "mask":
+        return free
     if kind in ("b2a_rng", "edabit"):
         return corr, free[0]
     if kind == "trunc_pair":
@@ -248,4 +317,8 @@ def correction_shape(req: tuple) -> tuple[int, ...]:
         return tuple(np.broadcast_shapes(req[1], req[2]))
     if req[0] == "trunc_pair":
         return (req[3] - req[2] + 2, *req[1])
+    if req[0] == "mask":
+        return (0,)
+    if req[0] == "mask_matvec":
+        return req[2]
     return req[1]

@@ -140,17 +140,21 @@ class DealerServer:
         if rank == 0:
             return
         s0, s1 = sess.seeds
+        masks = correlations.MaskRegistry()
+
+        def answer(raw, index: int) -> None:
+            req = correlations.validate(raw)
+            masks.admit(req, index)
+            ch.send_frame(KIND_TENSOR, _bytes(correlations.correction(req, s0, s1, index)))
         try:
             while True:
                 msg = unpack(ch.recv_frame(KIND_OBJECT))
                 if msg["op"] == "get":
-                    req = correlations.validate(msg["request"])
-                    ch.send_frame(KIND_TENSOR, _bytes(correlations.correction(req, s0, s1, int(msg["index"]))))
+                    answer(msg["request"], int(msg["index"]))
                 elif msg["op"] == "prefill":
                     start = int(msg["start"])
                     for k, raw in enumerate(msg["requests"]):
-                        req = correlations.validate(raw)
-                        ch.send_frame(KIND_TENSOR, _bytes(correlations.correction(req, s0, s1, start + k)))
+                        answer(raw, start + k)
                 elif msg["op"] == "bye":
                     return
                 else:

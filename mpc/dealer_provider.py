@@ -110,6 +110,19 @@ class DealerProvider(TupleProviderBase):
         d = lo..hi stacked in front. Raw tensors, for ``mpc.truncation``."""
         return self._shares(correlations.make_request("trunc_pair", size, lo, hi))
 
+    def mask(self, size) -> tuple[int, torch.Tensor]:
+        """(request number, this party's ring share) of a fresh uniform mask a; the number is
+        how later ``masked_matvec`` requests name it (``mpc.reused_masks``)."""
+        index = self._index
+        (a,) = self._shares(correlations.make_request("mask", size))
+        return index, a
+
+    def masked_matvec(self, masks, size) -> tuple[torch.Tensor, torch.Tensor]:
+        """This party's ring shares of a fresh b (one entry per mask named) and of
+        c = sum_k a_k * b_k, with a_k the masks ``masks`` (request numbers) of shape ``size``."""
+        b, c = self._shares(correlations.make_request("mask_matvec", masks, size))
+        return b, c
+
     def B2A_rng(self, size, device=None):
         ra, rb = self._shares(correlations.make_request("b2a_rng", size))
         return AST.from_shares(ra, precision=0), BST.from_shares(rb, precision=0)

@@ -149,11 +149,13 @@ def _external_imports(path: Path) -> set[str]:
 
 def test_only_the_engine_seam_imports_spu_or_jax():
     users = sorted(m for m, p in _modules().items() if _external_imports(p) & {"spu", "jax", "jaxlib"})
-    assert users == ["mpc.spu_engine"]
+    assert users == ["mpc.spu_process"]
 
 
-def test_the_dealer_mode_session_does_not_load_spu():
-    code = ("import sys, mpc.session, mpc.launcher, protocols, protocols.starfish.stage2; "
+def test_no_server_process_loads_spu():
+    """A dealer-mode session never loads SPU or jax, and neither does a two-party session's
+    server process: the engine's proxy (``mpc.spu_engine``) leaves both to its child process."""
+    code = ("import sys, mpc.session, mpc.launcher, mpc.spu_engine, protocols, protocols.starfish.stage2; "
             "print(sorted(m for m in ('spu', 'jax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

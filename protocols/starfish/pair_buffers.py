@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from mpc import reused_masks
 from protocols import backend as B
 from protocols.compare import ge
 from protocols.inner_product import inner
@@ -82,6 +83,8 @@ class PairBuffers:
         self.min_cos = min_cos
         self._s: dict[int, list[torch.Tensor]] = {j: [] for j in clients}
         self._y: dict[int, list[Any]] = {j: [] for j in clients}
+        # beside each shared y: its Beaver mask once opened (dealer mode), None before a product needs it
+        self._masks: dict[int, list[Any]] = {j: [] for j in clients}
 
     def push_many(self, clients: Sequence[int], s: torch.Tensor, ys: Sequence[Any]) -> list[bool]:
         """Offer one pair (s, y_j) per client; keep those that pass (module docstring)."""
@@ -92,9 +95,11 @@ class PairBuffers:
             if ok:
                 self._s[j].append(s)
                 self._y[j].append(y)
+                self._masks[j].append(None)
                 if len(self._s[j]) > self.size:
                     self._s[j].pop(0)
                     self._y[j].pop(0)
+                    self._masks[j].pop(0)
         return accepted
 
     def push(self, client: int, s: torch.Tensor, y: Any) -> bool:
@@ -106,6 +111,19 @@ class PairBuffers:
         if clients is None:
             return all(len(v) >= self.size for v in self._s.values())
         return all(len(self._s[j]) >= self.size for j in clients)
+
+    def masked_columns(self, clients: Sequence[int]) -> list[list[Any]] | None:
+        """Per client of ``clients``, its y columns with their Beaver masks opened
+        (``mpc.reused_masks``), oldest first; None where there is nothing to reuse (plaintext, or a
+        provider without reusable masks). A column is opened the first time it is asked for (one
+        round for all new ones) and then serves every product until it leaves the buffer."""
+        if not any(is_secret(y) for j in clients for y in self._y[j]) or not reused_masks.supported():
+            return None
+        missing = [(j, k) for j in clients for k, m in enumerate(self._masks[j]) if m is None]
+        opened = reused_masks.open_masks([self._y[j][k].share for j, k in missing])
+        for (j, k), m in zip(missing, opened):
+            self._masks[j][k] = m
+        return [list(self._masks[j]) for j in clients]
 
     def stacked(self, clients: Sequence[int]) -> tuple[torch.Tensor, Any]:
         """S (n, m, B) public and Y (n, m, B), oldest pair first."""

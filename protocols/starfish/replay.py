@@ -128,7 +128,8 @@ class Replay:
         else:
             with self.meter("UE"):
                 S, Y = self.buffers.stacked(present)
-                est = estimate_updates(stack(stored), s, S, Y, self.inverse)
+                est = estimate_updates(stack(stored), s, S, Y, self.inverse,
+                                       y_masks=self.buffers.masked_columns(present))
             self.estimated_updates += len(present)
             rows = [est[r] for r in range(len(present))]
             exact_ids = schedule.rejected(self.step, t, est, self)

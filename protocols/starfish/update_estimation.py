@@ -27,14 +27,15 @@ does each step for all n-1 clients in the same communication rounds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from protocols.inverse import inverse_masked
-
+from mpc import reused_masks
+from mpc.crypten_compat import crypten
 from protocols import backend as B
+from protocols.inverse import inverse_masked
 
 from .backend import is_secret, lmatmul, mul_mask, transpose
 
@@ -55,12 +56,15 @@ def _placements(b: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]
     return torch.cat([eye, zero]), torch.cat([zero, eye])
 
 
-def compact_hvp(S: torch.Tensor, Y: Any, v: torch.Tensor, inverse: Inverse | None = None) -> Any:
+def compact_hvp(S: torch.Tensor, Y: Any, v: torch.Tensor, inverse: Inverse | None = None,
+                y_masks: Sequence[Sequence[Any]] | None = None) -> Any:
     """H v for the BFGS matrix defined by the pairs (S, Y); see the module docstring.
 
     Shapes: ``S`` (..., m, B) public, ``Y`` (..., m, B) shared or plain, ``v`` (..., m)
     or (m,) public. Returns (..., m), shared iff Y is. Columns are oldest first, so the
-    last column is the most recent pair (the one sigma is taken from).
+    last column is the most recent pair (the one sigma is taken from). ``y_masks`` (2PC,
+    dealer mode; ``PairBuffers.masked_columns``): Y's columns with their Beaver masks already
+    opened, one row per client (S of shape (rows, m, B)), so that Y z opens only z's mask.
     """
     inverse = inverse or default_inverse()
     secret = is_secret(Y)
@@ -113,19 +117,25 @@ def compact_hvp(S: torch.Tensor, Y: Any, v: torch.Tensor, inverse: Inverse | Non
     sz1 = transpose(sigma * z1)                              # (..., 1, B) shared, F bits
     t1 = B.relabel(B.raw_mul(sigma, vcol), two_f)
     t2 = B.relabel(transpose(B.relabel(sz1, 0).matmul(B.encode_public(transpose(S)))), two_f)
-    t3 = B.relabel(B.raw_matmul(Y, z2), two_f)
+    if y_masks is not None:
+        rows, m = S.shape[0], S.shape[-2]
+        prod = reused_masks.matvec(y_masks, B.relabel(z2, 0).share.reshape(rows, b))
+        t3 = B.relabel(crypten.mpc.MPCTensor.from_shares(prod.reshape(rows, m, 1), precision=0), two_f)
+    else:
+        t3 = B.relabel(B.raw_matmul(Y, z2), two_f)
     hv = t1 - t2 - t3
     return hv.squeeze(-1)
 
 
 def estimate_updates(stored: Any, model_diff: torch.Tensor, S: torch.Tensor, Y: Any,
-                     inverse: Inverse | None = None) -> Any:
+                     inverse: Inverse | None = None, y_masks: Sequence[Sequence[Any]] | None = None) -> Any:
     """g_hat = g + H (M_hat - M) for every client row.
 
     ``stored``: (n, m) the stored updates g^j of the round being replayed;
-    ``model_diff``: (m,) public M_hat - M_{t-1}; ``S``, ``Y``: (n, m, B) per-client pairs.
+    ``model_diff``: (m,) public M_hat - M_{t-1}; ``S``, ``Y``: (n, m, B) per-client pairs;
+    ``y_masks``: see ``compact_hvp``.
     """
-    hv = compact_hvp(S, Y, model_diff, inverse)
+    hv = compact_hvp(S, Y, model_diff, inverse, y_masks)
     if is_secret(hv):
         return hv + B.lift(B.to_shared_like(stored), B.bits_of(hv))
     if is_secret(stored):

@@ -23,8 +23,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.helpers import share_level_programs as slp
+from tests.helpers.ring_shares import HI, LO, MASKS, split
 
-LO, HI = -(2**63), 2**63 - 1
 TRUNC_MAX = 2**62 - 1          # |x| < 2**62
 RING_EDGES = [0, 1, -1, 2, -2, 2**62, -(2**62), 2**62 - 1, -(2**62) + 1, 2**62 + 1, -(2**62) - 1,
               HI, LO, HI - 1, LO + 1, 2**31, -(2**31), 2**32 - 1, -(2**32), 2**47, -(2**47)]
@@ -48,24 +48,6 @@ def ring_element(lo: int = LO, hi: int = HI):
 def ring_vector(lo: int = LO, hi: int = HI, lengths=LENGTHS):
     return st.sampled_from(lengths).flatmap(
         lambda n: st.lists(ring_element(lo, hi), min_size=n, max_size=n))
-
-
-MASKS = st.sampled_from(["uniform", "uniform", "zero", "all", "min"])
-
-
-def split(x: np.ndarray, how: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Shares (share0, share1) with share0 + share1 = x mod 2**64: share1 uniform, 0 (party 0
-    holds x), x (party 0 holds 0) or -2**63."""
-    if how == "uniform":
-        mask = rng.integers(LO, HI, size=x.shape, dtype=np.int64, endpoint=True)
-    elif how == "zero":
-        mask = np.zeros_like(x)
-    elif how == "all":
-        mask = x.copy()
-    else:
-        mask = np.full_like(x, LO)
-    with np.errstate(over="ignore"):
-        return x - mask, mask
 
 
 def shapes(n: int) -> list[tuple[int, ...]]:

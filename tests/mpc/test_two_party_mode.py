@@ -39,12 +39,12 @@ import mpc.launcher as launcher
 from mpc import LinkProfile, PartyError, run_parties
 from mpc.crypten_compat import crypten
 from mpc.party_pair import PartyPair
+from tests.helpers.ring_shares import HI, LO, MASKS, recon, split
 from tests.protocols import test_primitives_2pc as dealer_2pc
 from tests.protocols import test_upload_range as dealer_upload
 
 pytestmark = pytest.mark.timeout(300)
 
-LO, HI = -(2**63), 2**63 - 1
 TRUNC_MAX = 2**62 - 1            # floor / truncate: |x| < 2**62
 F = 16
 EDGES = [0, 1, -1, 2, -2, 3, -3, 2**62 - 1, -(2**62) + 1, 2**62, -(2**62), 2**62 + 1, -(2**62) - 1,
@@ -54,27 +54,6 @@ LENGTHS = [0, 1, 2, 7, 64, 65, 130]
 
 
 # ============================================================================ helpers (test side)
-def recon(s0, s1) -> np.ndarray:
-    """The ring value of two int64 shares (sum mod 2**64, read signed)."""
-    u0 = np.asarray(s0, dtype=np.int64).view(np.uint64)
-    return (u0 + np.asarray(s1, dtype=np.int64).view(np.uint64)).view(np.int64)
-
-
-def split(x: np.ndarray, how: str, rng: np.random.Generator):
-    """(share0, share1), share0 + share1 = x mod 2**64; share1 uniform, 0, x or -2**63."""
-    x = np.asarray(x, dtype=np.int64)
-    if how == "uniform":
-        mask = rng.integers(LO, HI, size=x.shape, dtype=np.int64, endpoint=True)
-    elif how == "zero":
-        mask = np.zeros_like(x)
-    elif how == "all":
-        mask = x.copy()
-    else:
-        mask = np.full_like(x, LO)
-    with np.errstate(over="ignore"):
-        return (x.view(np.uint64) - mask.view(np.uint64)).view(np.int64), mask
-
-
 def as_int64(values) -> np.ndarray:
     return np.array([int(v) for v in values], dtype=np.int64).reshape(np.shape(values))
 
@@ -126,7 +105,6 @@ def bounded_pair(draw, bits: int = 62) -> tuple[int, int]:
     return a * (-1 if draw(st.booleans()) else 1), b * (-1 if draw(st.booleans()) else 1)
 
 
-MASKS = st.sampled_from(["uniform", "uniform", "zero", "all", "min"])
 K_ALL = list(range(1, 63))       # k = 63 has its own test below
 D_ALL = list(range(1, 63))
 
@@ -472,160 +450,27 @@ def _both_open_the_same(out0: dict, out1: dict) -> None:
 
 def test_compare_select_inner_max_threshold_in_two_party_mode(tp):
     """``dealer_2pc.compare_program`` on the dealer test's inputs; same oracles and tolerances."""
-    from fractions import Fraction
-
-    from protocols.compare import ge, ge_ratio
-    from protocols.inner_product import inner
-    from protocols.maximum import max as secure_max
-    from protocols.threshold import any_exceeds
-
-    q, LSB = dealer_2pc.q, dealer_2pc.LSB
-    rng = np.random.default_rng(21)
-    x = q([[1.5, -2.0, 0.0, LSB, 3e4, -7.0, 2.0**20], [0.0, 0.0, -1.0, 7.0, -7.0, 1e-3, -(2.0**20)]])
-    y = q([[1.5, -2.5, 0.0, -LSB, 3e4 - LSB, -7.0, 2.0**20 - 1], [0.0, LSB, -1.0, 7.0, 7.0, 1e-3, 2.0**20]])
-    big_a = q(rng.normal(size=501) * 1e3)
-    big_b = q(np.where(rng.random(501) < 0.2, big_a, rng.normal(size=501) * 1e3))
-    u1 = q([1.0, -2.0, 3.0, 0.5, 5 * LSB, 1000.0, -3.0, 0.0])
-    v1 = q([2.0, 4.0, 1.0, 0.25, 3 * LSB, 999.0, 0.5, 1.0])
-    u2 = q([2.0, -1.0, 3.5, 1.0, 10 * LSB, 1000.0, -6.0, 0.0])
-    v2 = q([4.0, 2.0, 1.0, 0.5, 6 * LSB, 1000.0, 1.0, 7.0])
-    inp = {
-        "x": x, "y": y, "big_a": big_a, "big_b": big_b,
-        "cond": np.array([[1.0, 0, 1, 0, 1, 0, 1], [0, 0, 1, 1, 0, 1, 0]]),
-        "u1": u1, "v1": v1, "u2": u2, "v2": v2,
-        "a": q(rng.normal(size=(3, 101)) * 4), "b": q(rng.normal(size=(3, 101)) * 4),
-        "m1": q(rng.normal(size=(2, 1))), "m2": q([[3.0, -3.0], [-5.0, -5.0]]),
-        "m7": q(rng.normal(size=(4, 7)) * 100), "m33": q(rng.normal(size=(3, 33)) * 1e4),
-        "tx": q([[0.5, -0.5, 1.0 - LSB], [0.0, 1.0, 0.2], [0.3, -4.0, 0.0], [0.1, 0.0, 0.1], [LSB, 2 * LSB, 0.0]]),
-        "td": q([1.0, 1.0, 2.0, -0.1, 2 * LSB]),
-    }
+    inp = dealer_2pc.compare_inputs()
     out, out1 = call_both(tp, dealer_2pc.compare_program, inp)
     _both_open_the_same(out, out1)
-    tt = {k: torch.from_numpy(v) for k, v in inp.items()}
-    assert np.array_equal(out["ge"], (x >= y).astype(float))
-    assert np.array_equal(out["ge_big"], (big_a >= big_b).astype(float))
-    assert np.array_equal(out["ge_pub_right"], (x >= y).astype(float))
-    assert np.array_equal(out["ge_pub_left"], (x >= y).astype(float))
-    assert np.array_equal(out["ge"], ge(tt["x"], tt["y"]).numpy())
-    assert np.array_equal(out["select"], np.maximum(x, y))
-    assert np.array_equal(out["select_pub_values"], np.maximum(x, y))
-    assert np.array_equal(out["select_pub_cond"], np.where(inp["cond"] != 0, x, y))
-    assert np.array_equal(out["cx_hi"], np.maximum(x, y))
-    assert np.array_equal(out["cx_lo"], np.minimum(x, y))
-    frac = lambda u, v: [Fraction(a) / Fraction(b) for a, b in zip(u, v)]  # noqa: E731
-    want = [float(p >= r) for p, r in zip(frac(u1, v1), frac(u2, v2))]
-    assert out["ratio"].tolist() == want
-    assert out["ratio"].tolist() == ge_ratio(tt["u1"], tt["v1"], tt["u2"], tt["v2"]).tolist()
-    ip = np.einsum("ij,ij->i", inp["a"], inp["b"])
-    assert np.max(np.abs(out["inner_ss"] - ip)) <= 2 * LSB
-    assert np.max(np.abs(out["inner_sp"] - ip)) <= 2 * LSB
-    assert np.allclose(inner(tt["a"], tt["b"]).numpy(), ip)
-    for n in (1, 2, 7, 33):
-        assert np.array_equal(out[f"max{n}"], inp[f"m{n}"].max(axis=-1)), n
-        assert np.array_equal(out[f"max{n}"], secure_max(tt[f"m{n}"]).numpy())
-    assert np.array_equal(out["max_dim0"], inp["m7"].max(axis=0, keepdims=True))
-    want_thr = np.any(inp["tx"] ** 2 >= inp["td"][:, None] ** 2, axis=1)
-    assert want_thr.tolist() == [False, True, True, True, True]
-    assert out["thr"].dtype == bool and np.array_equal(out["thr"], want_thr)
-    assert np.array_equal(out["thr_pub_d"], want_thr)
-    assert np.array_equal(any_exceeds(tt["tx"], tt["td"]).numpy(), want_thr)
+    dealer_2pc.check_compare(out, inp)
 
 
 def test_sort_and_top_k_in_two_party_mode(tp):
     """``dealer_2pc.sort_program`` (stable/unstable, ratio keys, top_k, custom comparator)."""
-    from fractions import Fraction
-
-    from protocols.sort import bitonic_sort, ratio_comparator, top_k
-
-    q, LSB = dealer_2pc.q, dealer_2pc.LSB
-    rng = np.random.default_rng(8)
-    keys = q(rng.integers(-3, 4, size=(3, 13)).astype(np.float64))
-    keys[0] = 0.0
-    keys[1, :5] = [2.0**20, -(2.0**20), LSB, -LSB, 2.0**20]
-    u = q(rng.integers(-6, 7, size=(2, 9)).astype(np.float64))
-    v = q(rng.integers(1, 5, size=(2, 9)).astype(np.float64))
-    u[1], v[1] = u[0] * 2, v[0] * 2
-    u[0, :3], v[0, :3] = [1.0, 2.0, -0.5], [2.0, 4.0, 0.25]
-    inp = {
-        "keys": keys, "vals": q(rng.normal(size=(3, 13)) * 50),
-        "u": u, "v": v, "round_ids": np.arange(101, 114).repeat(3).reshape(13, 3).T.copy(),
-        "tiny1": q([0.5]), "tiny2": q([-1.0, 3.0]),
-        "small": q([3.0, -1.0, -3.0, 1.0, 0.0, 2.0]),
-        "probe": q(rng.normal(size=16)), "probe_batch": q(rng.normal(size=(5, 16))),
-    }
+    inp = dealer_2pc.sort_inputs()
     out, out1 = call_both(tp, dealer_2pc.sort_program, inp)
-    tt = {k: torch.from_numpy(val) for k, val in inp.items()}
-    n = 13
-    for desc in (True, False):
-        twin_keys, (twin_ids, _) = bitonic_sort(tt["keys"], (torch.arange(n).expand(3, n), tt["vals"]), descending=desc)
-        for r in range(3):
-            order = np.argsort(-keys[r] if desc else keys[r], kind="stable")
-            assert np.array_equal(out[f"ids_{desc}"][r], order), (desc, r)
-            assert np.array_equal(out[f"keys_{desc}"][r], keys[r][order])
-            assert np.array_equal(out[f"vals_{desc}"][r], inp["vals"][r][order])
-        assert np.array_equal(out[f"ids_{desc}"], twin_ids.numpy())
-        assert np.array_equal(out[f"keys_{desc}"], twin_keys.numpy())
-    for r in range(2):
-        fr = [Fraction(u[r, i]) / Fraction(v[r, i]) for i in range(9)]
-        order = sorted(range(9), key=lambda i: (-fr[i], i))
-        assert out["ratio_perm"][r].tolist() == order, r
-        assert np.array_equal(out["ratio_u"][r], u[r][order])
-        assert np.array_equal(out["ratio_v"][r], v[r][order])
-        assert out["topk_ratio"][r].tolist() == order[:4]
     assert np.array_equal(out["topk_ratio"], out1["topk_ratio"])
-    assert np.array_equal(out["topk_ratio"], top_k((tt["u"], tt["v"]), None, 4, comparator=ratio_comparator).numpy())
-    for r in range(3):
-        order = np.argsort(-keys[r], kind="stable")[:3]
-        assert out["topk"][r].tolist() == inp["round_ids"][r][order].tolist()
-    assert out["tiny1"][0].tolist() == [0.5] and out["tiny1"][1].tolist() == [0.0]
-    assert out["tiny2"][0].tolist() == [3.0, -1.0] and out["tiny2"][1].tolist() == [1.0, 0.0]
-    assert out["custom"].tolist() == [0, 2, 5, 1, 3, 4]
-    sk, sp = out["unstable"]
-    assert np.array_equal(sk, np.sort(inp["small"]))
-    assert np.array_equal(inp["small"][sp.astype(int)], sk)
+    dealer_2pc.check_sort(out, inp)
 
 
 def test_inverse_and_division_in_two_party_mode(tp):
     """``dealer_2pc.inverse_division_program`` (masked and Newton inverses, reciprocal with both
     methods, divide shared/public); the dealer test's tolerances."""
-    from protocols.division import divide, reciprocal
-    from protocols.inverse import inverse_masked, inverse_newton
-
-    q, LSB = dealer_2pc.q, dealer_2pc.LSB
-    rng = np.random.default_rng(17)
-    A = q(rng.normal(size=(3, 4, 4)) + 3 * np.eye(4))
-    A[1] *= -0.5
-    A[2, 0, 1] = 0.0
-    A_small = q(rng.normal(size=(2, 2, 2)) * 0.05 + 0.1 * np.eye(2))
-    A3 = q(rng.normal(size=(2, 3, 3)) * 20 + 60 * np.eye(3))
-    x = q([2.0**-10, -(2.0**-10), 0.7, -3.0, 30.0, 300.0, -1000.0, 2.0**15, 5 * LSB])
-    inp = {
-        "A": A, "A_small": A_small, "A3": A3, "x": x,
-        "xpos": q([1e-3, 0.5, 7.0, 1e4]), "xc": q([0.05, 0.7, 3.0, 10.0, -20.0]),
-        "num": q([1.0, 1.0, -2.5, 6.0, 0.0, 3000.0, 1000.0, 2.0**15, 5 * LSB]),
-    }
+    inp = dealer_2pc.inverse_inputs()
     out, out1 = call_both(tp, dealer_2pc.inverse_division_program, inp)
     _both_open_the_same(out, out1)
-    inv = np.linalg.inv(A)
-
-    def rel(got, want):
-        return np.max(np.abs(got - want)) / np.max(np.abs(want))
-
-    assert rel(out["masked"], inv) < 1e-4
-    assert rel(out["masked_refined"], inv) < 1e-4
-    assert rel(out["newton"], inv) < 3e-4
-    assert rel(out["newton_small"], np.linalg.inv(A_small)) < 1e-4
-    assert rel(out["masked_3x3"], np.linalg.inv(A3)) < 3e-3
-    assert rel(out["newton"], inverse_newton(torch.from_numpy(A)).numpy()) < 2e-4
-    assert np.allclose(inverse_masked(torch.from_numpy(A)).numpy(), inv)
-    assert np.all(np.abs(out["recip"] - 1 / x) <= 4 * LSB + 1e-4 * np.abs(1 / x))
-    assert np.all(np.abs(out["recip_pos"] - 1 / inp["xpos"]) <= 4 * LSB + 1e-4 / inp["xpos"])
-    assert np.all(np.abs(out["recip_crypten"] - 1 / inp["xc"]) <= 1e-2 / np.abs(inp["xc"]))
-    want_div = inp["num"] / x
-    assert np.all(np.abs(out["div"] - want_div) <= 8 * LSB + 1e-4 * np.abs(want_div))
-    assert np.all(np.abs(out["div_pub"] - want_div) <= 8 * LSB + 1e-4 * np.abs(want_div))
-    assert np.allclose(reciprocal(torch.from_numpy(x)).numpy(), 1 / x)
-    assert np.allclose(divide(torch.from_numpy(inp["num"]), torch.from_numpy(x)).numpy(), want_div)
+    dealer_2pc.check_inverse(out, inp)
 
 
 UPLOAD_SPECS = [   # the dealer test's explicit examples, plus top-bits/sign-tests on every kind

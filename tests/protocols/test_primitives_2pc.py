@@ -147,7 +147,8 @@ def inverse_division_program(party, inp: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- tests
-def test_comparisons_selection_inner_max_threshold_match_numpy():
+def compare_inputs() -> dict:
+    """Inputs of ``compare_program`` (shared by the two-party mode's test)."""
     rng = np.random.default_rng(21)
     # negatives, ties, zeros, one-unit gaps, large magnitudes; odd length
     x = q([[1.5, -2.0, 0.0, LSB, 3e4, -7.0, 2.0**20], [0.0, 0.0, -1.0, 7.0, -7.0, 1e-3, -(2.0**20)]])
@@ -159,7 +160,7 @@ def test_comparisons_selection_inner_max_threshold_match_numpy():
     v1 = q([2.0, 4.0, 1.0, 0.25, 3 * LSB, 999.0, 0.5, 1.0])
     u2 = q([2.0, -1.0, 3.5, 1.0, 10 * LSB, 1000.0, -6.0, 0.0])
     v2 = q([4.0, 2.0, 1.0, 0.5, 6 * LSB, 1000.0, 1.0, 7.0])
-    inp = {
+    return {
         "x": x, "y": y, "big_a": big_a, "big_b": big_b,
         "cond": np.array([[1.0, 0, 1, 0, 1, 0, 1], [0, 0, 1, 1, 0, 1, 0]]),
         "u1": u1, "v1": v1, "u2": u2, "v2": v2,
@@ -172,11 +173,12 @@ def test_comparisons_selection_inner_max_threshold_match_numpy():
                  [LSB, 2 * LSB, 0.0]]),
         "td": q([1.0, 1.0, 2.0, -0.1, 2 * LSB]),
     }
-    res = run_parties(compare_program, inp)
-    out, out1 = res.values
-    for k in out:
-        assert np.array_equal(np.asarray(out[k]), np.asarray(out1[k])), k  # both open the same
 
+
+def check_compare(out: dict, inp: dict) -> None:
+    """``compare_program``'s outputs against numpy and the plaintext twin."""
+    x, y, big_a, big_b = inp["x"], inp["y"], inp["big_a"], inp["big_b"]
+    u1, v1, u2, v2 = inp["u1"], inp["v1"], inp["u2"], inp["v2"]
     tt = {k: torch.from_numpy(v) for k, v in inp.items()}
     assert np.array_equal(out["ge"], (x >= y).astype(float))
     assert np.array_equal(out["ge_big"], (big_a >= big_b).astype(float))
@@ -207,6 +209,15 @@ def test_comparisons_selection_inner_max_threshold_match_numpy():
     assert np.array_equal(out["thr_pub_d"], want_thr)
     assert np.array_equal(any_exceeds(tt["tx"], tt["td"]).numpy(), want_thr)
 
+
+def test_comparisons_selection_inner_max_threshold_match_numpy():
+    inp = compare_inputs()
+    res = run_parties(compare_program, inp)
+    out, out1 = res.values
+    for k in out:
+        assert np.array_equal(np.asarray(out[k]), np.asarray(out1[k])), k  # both open the same
+    check_compare(out, inp)
+
     steps = res.meters[0]["steps"]
     # a comparison's rounds do not grow with the number of elements compared
     assert steps["ge_small"]["online_rounds"] == steps["ge_big"]["online_rounds"]
@@ -219,7 +230,8 @@ def test_comparisons_selection_inner_max_threshold_match_numpy():
     assert steps["thr"]["online_rounds"] == 2 * steps["ge_small"]["online_rounds"] + 2
 
 
-def test_sort_and_top_k_match_numpy_with_ties_and_odd_lengths():
+def sort_inputs() -> dict:
+    """Inputs of ``sort_program`` (shared by the two-party mode's test)."""
     rng = np.random.default_rng(8)
     keys = q(rng.integers(-3, 4, size=(3, 13)).astype(np.float64))
     keys[0] = 0.0  # all tied
@@ -228,15 +240,18 @@ def test_sort_and_top_k_match_numpy_with_ties_and_odd_lengths():
     v = q(rng.integers(1, 5, size=(2, 9)).astype(np.float64))
     u[1], v[1] = u[0] * 2, v[0] * 2  # equal ratios from different pairs
     u[0, :3], v[0, :3] = [1.0, 2.0, -0.5], [2.0, 4.0, 0.25]
-    inp = {
+    return {
         "keys": keys, "vals": q(rng.normal(size=(3, 13)) * 50),
         "u": u, "v": v, "round_ids": np.arange(101, 114).repeat(3).reshape(13, 3).T.copy(),
         "tiny1": q([0.5]), "tiny2": q([-1.0, 3.0]),
         "small": q([3.0, -1.0, -3.0, 1.0, 0.0, 2.0]),
         "probe": q(rng.normal(size=16)), "probe_batch": q(rng.normal(size=(5, 16))),
     }
-    res = run_parties(sort_program, inp)
-    out = res.values[0]
+
+
+def check_sort(out: dict, inp: dict) -> None:
+    """``sort_program``'s outputs against numpy (stable orders), exact fractions and the twin."""
+    keys, u, v = inp["keys"], inp["u"], inp["v"]
     tt = {k: torch.from_numpy(v) for k, v in inp.items()}
     n = 13
     for desc in (True, False):
@@ -269,6 +284,14 @@ def test_sort_and_top_k_match_numpy_with_ties_and_odd_lengths():
     assert np.array_equal(sk, np.sort(inp["small"]))
     assert np.array_equal(inp["small"][sp.astype(int)], sk)  # a permutation carrying its keys
 
+
+def test_sort_and_top_k_match_numpy_with_ties_and_odd_lengths():
+    inp = sort_inputs()
+    res = run_parties(sort_program, inp)
+    out, out1 = res.values
+    assert np.array_equal(out["topk_ratio"], out1["topk_ratio"])
+    check_sort(out, inp)
+
     steps = res.meters[0]["steps"]
     # a layer is one comparison and one Beaver round moving keys and payloads; that product is
     # by a comparison bit (scale 1), so it needs no truncation (a fixed-point product does)
@@ -279,7 +302,8 @@ def test_sort_and_top_k_match_numpy_with_ties_and_odd_lengths():
     assert steps["top_k"]["online_rounds"] == num_layers(9) * (per_layer + 1) + 1
 
 
-def test_inverse_and_division_match_numpy():
+def inverse_inputs() -> dict:
+    """Inputs of ``inverse_division_program`` (shared by the two-party mode's test)."""
     rng = np.random.default_rng(17)
     A = q(rng.normal(size=(3, 4, 4)) + 3 * np.eye(4))
     A[1] *= -0.5  # negative, smaller scale
@@ -287,13 +311,16 @@ def test_inverse_and_division_match_numpy():
     A_small = q(rng.normal(size=(2, 2, 2)) * 0.05 + 0.1 * np.eye(2))
     A3 = q(rng.normal(size=(2, 3, 3)) * 20 + 60 * np.eye(3))
     x = q([2.0**-10, -(2.0**-10), 0.7, -3.0, 30.0, 300.0, -1000.0, 2.0**15, 5 * LSB])
-    inp = {
+    return {
         "A": A, "A_small": A_small, "A3": A3, "x": x,
         "xpos": q([1e-3, 0.5, 7.0, 1e4]), "xc": q([0.05, 0.7, 3.0, 10.0, -20.0]),
         "num": q([1.0, 1.0, -2.5, 6.0, 0.0, 3000.0, 1000.0, 2.0**15, 5 * LSB]),
     }
-    res = run_parties(inverse_division_program, inp)
-    out = res.values[0]
+
+
+def check_inverse(out: dict, inp: dict) -> None:
+    """``inverse_division_program``'s outputs against numpy and the twin, with their tolerances."""
+    A, A_small, A3, x = inp["A"], inp["A_small"], inp["A3"], inp["x"]
     inv = np.linalg.inv(A)
 
     def rel(got, want):
@@ -317,6 +344,13 @@ def test_inverse_and_division_match_numpy():
     assert np.all(np.abs(out["div_pub"] - want_div) <= 8 * LSB + 1e-4 * np.abs(want_div))
     assert np.allclose(reciprocal(torch.from_numpy(x)).numpy(), 1 / x)
     assert np.allclose(divide(torch.from_numpy(inp["num"]), torch.from_numpy(x)).numpy(), want_div)
+
+
+def test_inverse_and_division_match_numpy():
+    inp = inverse_inputs()
+    res = run_parties(inverse_division_program, inp)
+    out = res.values[0]
+    check_inverse(out, inp)
 
     steps = res.meters[0]["steps"]
     # one matmul + one opening (Alg. 7) + one wrap-free truncation of R N^-1; a (rare,

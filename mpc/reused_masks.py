@@ -1,0 +1,96 @@
+"""Beaver products whose one operand keeps its mask: the mask of x is opened once, then serves
+every later product of x with a fresh shared operand.
+
+Why: Starfish's update estimation multiplies each client's L-BFGS columns y (m values, shared)
+by small shared vectors z, once per replayed round, while y changes only when the client sends an
+exact update, one column at a time. An ordinary Beaver product opens y - a again for every
+product (8 bytes per coordinate each way); here y - a is opened once per column and each product
+opens only z - b (a few values per client).
+
+The algebra (one column y with mask a, one product with a fresh z): the dealer gives shares of a
+uniform a (``mask``), and per product fresh b and c = a * b (``mask_matvec``, which sums such
+products over the columns of a client). With e = y - a and f = z - b opened,
+
+    y * z = e f + e b + a f + c,
+
+linear in the shares of a, b and c, so each party computes its share locally.
+
+What is opened, and why it stays uniform: e = y - a once per column, a one-time pad because a is
+uniform and masks nothing else (the dealer refuses products naming anything but an earlier mask of
+the same size, ``mpc.correlations.MaskRegistry``); f = z - b per product with a fresh b. Reusing a
+with several b's reveals nothing more: every later message is f with its own fresh pad, and c is
+only ever seen as a share. This is the reuse of a matrix's mask across products of SecureML
+(Mohassel and Zhang, 2017), applied per column.
+
+Needs a provider with ``mask`` and ``masked_matvec`` (the dealer's, ``mpc.dealer_provider``);
+``supported()`` says whether the session's has them (the two-party engine and the test-only
+TFP provider do not: callers then use an ordinary product).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mpc.crypten_compat import crypten
+
+__all__ = ["MaskedShare", "supported", "open_masks", "matvec"]
+
+
+@dataclass(frozen=True)
+class MaskedShare:
+    """This party's view of a shared x whose mask was opened: e = x - a (public), its share of a,
+    and the dealer's number for a."""
+
+    index: int
+    e: torch.Tensor
+    a: torch.Tensor
+
+
+def _context():
+    comm = crypten.communicator.get()
+    return comm, comm.get_rank(), crypten.mpc.get_default_provider()
+
+
+def supported() -> bool:
+    """Whether the session's provider makes reusable masks (dealer mode)."""
+    return hasattr(crypten.mpc.get_default_provider(), "masked_matvec")
+
+
+def open_masks(shares: Sequence[torch.Tensor]) -> list[MaskedShare]:
+    """Open a fresh mask of each shared x (this party's int64 shares ``shares``): one round for all."""
+    if not shares:
+        return []
+    comm, _, provider = _context()
+    masks = [provider.mask(tuple(x.shape)) for x in shares]
+    opened = comm.all_reduce([x - a for x, (_, a) in zip(shares, masks)], batched=True)
+    return [MaskedShare(index, e, a) for (index, a), e in zip(masks, opened)]
+
+
+def matvec(columns: Sequence[Sequence[MaskedShare]], z: torch.Tensor) -> torch.Tensor:
+    """This party's share of ``out[j] = sum_k x_{j,k} * z[j, k]`` (ring products, no truncation).
+
+    ``columns[j]``: the opened columns of row j, each of one shape ``size``, the same number K
+    for every row; ``z``: this party's int64 shares, shape (rows, K). Returns (rows, *size).
+    One round (every row's f is opened together); the dealer sends one ``size`` tensor per row.
+    """
+    rows = len(columns)
+    if rows == 0:
+        return torch.zeros((0,), dtype=torch.long)
+    k = len(columns[0])
+    if any(len(c) != k for c in columns) or tuple(z.shape) != (rows, k):
+        raise ValueError(f"matvec needs {rows} rows of equally many columns and z of shape (rows, K), "
+                         f"got z {tuple(z.shape)}")
+    size = tuple(columns[0][0].e.shape)
+    comm, rank, provider = _context()
+    material = [provider.masked_matvec(tuple(x.index for x in cols), size) for cols in columns]
+    b = torch.stack([m[0] for m in material])                     # (rows, K)
+    f = comm.all_reduce(z - b)                                    # public, fresh pads
+    e = torch.stack([torch.stack([x.e for x in cols], dim=-1) for cols in columns])   # (rows, *size, K)
+    a = torch.stack([torch.stack([x.a for x in cols], dim=-1) for cols in columns])
+    bb = b.reshape(rows, *([1] * len(size)), k)
+    ff = f.reshape(rows, *([1] * len(size)), k)
+    share = (e * (bb + ff) if rank == 0 else e * bb).sum(-1) + (a * ff).sum(-1)
+    return share + torch.stack([m[1] for m in material])

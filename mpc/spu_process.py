@@ -1,0 +1,330 @@
+"""The two-party engine's own process: SecretFlow SPU's CHEETAH runtime, its link and its relays.
+
+This is the only module that imports ``spu`` or ``jax`` (as ``mpc.crypten_compat`` is for
+CrypTen), and it does so only inside the engine process that ``mpc.spu_engine.SpuEngine`` starts
+for a session: a server process never loads either. CHEETAH is two-party and needs no third
+party: its multiplications use lattice HE (RLWE) and its comparisons silent OT (Ferret). Nothing
+of it is ours: we hand SPU our shares and take its shares back.
+
+Why shares pass through unchanged: over FM64 a CHEETAH arithmetic share (``cheetah.AShr<FM64>``)
+is a plain additive uint64 share, and so is ours (int64 ring elements, the same bits). A value
+shared by our protocols goes into SPU as it is, and SPU's result is a share of ours (over FM32
+likewise, for shares taken mod 2**32).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+
+from .metering import KINDS, Meter
+
+__all__ = ["EngineError", "RINGS", "PRODUCTS", "engine_main", "prog_ge0", "prog_window", "prog_mul",
+           "prog_matmul", "prog_exceed"]
+
+_CHUNK_BYTES = 1 << 26          # one SPU value chunk (64 MiB)
+_FRACTION_BITS = 16              # unused by our integer programs; SPU needs a value
+CLOSE_WAIT = 15.0                # seconds a closing party waits for the other at the link's barrier
+CLOSE_GRACE = 1.0                # seconds the link stays up after the barrier (its last replies)
+
+#: per ring width: SPU field, storage name, SPU data type, numpy dtype of a share
+RINGS = {
+    64: ("FM64", "cheetah.AShr<FM64>", "DT_I64", np.int64),
+    32: ("FM32", "cheetah.AShr<FM32>", "DT_I32", np.int32),
+}
+
+
+class EngineError(RuntimeError):
+    """The two-party engine could not start or run (link refused, peer gone, bad input)."""
+
+
+# ============================================================================ the programs
+# Module-level functions (so they pickle by reference into the engine process); ``jnp`` is bound
+# there when the engine starts. An extra all-zero secret input ``z`` is added to results that SPU
+# would otherwise return as boolean shares: the sum makes them arithmetic shares of our ring.
+jnp: Any = None
+
+
+def prog_ge0(x, z):
+    return (x >= 0).astype(jnp.int64) + z
+
+
+def prog_window(k, x, z):
+    # unsigned x < 2**k iff signed x >= 0 and x < 2**k; for x >= 0 the second sign test cannot
+    # wrap, and for x < 0 the first is 0 whatever the second says; for k = 63 the first is all
+    if k == 63:
+        return (x >= 0).astype(jnp.int64) + z
+    return ((x >= 0) & (x < np.int64(1 << k))).astype(jnp.int64) + z
+
+
+def prog_mul(a, b):
+    return a * b
+
+
+def prog_matmul(a, b):
+    return jnp.matmul(a, b)
+
+
+def prog_exceed(y, thr, z):
+    a = jnp.abs(thr)
+    return jnp.any((y >= a) | (y <= -a)).astype(jnp.int32).reshape(1) + z
+
+
+PRODUCTS = {"mul": prog_mul, "matmul": prog_matmul}
+
+
+# ============================================================================ the process
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class _Engine:
+    """What runs in the engine process: the relays, the link and the runtimes."""
+
+    def __init__(self, params: dict):
+        global jnp
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+        import jax.numpy as _jnp
+        import spu
+        import spu.libspu as libspu
+        from spu.utils import frontend
+
+        from .metered_relay import RelayPair
+
+        jnp = _jnp
+        self.spu, self.libspu, self.frontend, self.jax = spu, libspu, frontend, jax
+        self.p = params
+        self._quiet_logging()
+        self.meter = Meter()
+        self.kind = "online"
+        self.relays = RelayPair(self.meter, lambda: self.kind, params["link"], listen_host=params["listen_host"])
+        self.inbound = self.relays.open_inbound()
+        self.link = None
+        self.runtimes: dict[int, Any] = {}
+        self.programs: dict[tuple, tuple] = {}
+
+    def _quiet_logging(self) -> None:
+        opts = self.libspu.logging.LogOptions()
+        opts.enable_console_logger = True    # errors only: a daemon's log must show why a link died
+        # the library also writes a log file (default: spu.log in the working directory); keep it
+        # in the session's private directory, removed with it
+        opts.system_log_path = os.path.join(self.p["dir"], "spu.log")
+        # STARFISH_ENGINE_LOG=info shows the library's own link events (for diagnosing a link)
+        level = os.environ.get("STARFISH_ENGINE_LOG", "error").upper()
+        opts.log_level = getattr(self.libspu.logging.LogLevel, level, self.libspu.logging.LogLevel.ERROR)
+        self.libspu.logging.setup_logging(opts)
+
+    def counts(self) -> dict:
+        t = self.meter.as_dict()["total"]
+        return {f"{k}_{f}": t[f"{k}_bytes_{f}"] if f != "rounds" else t[f"{k}_rounds"]
+                for k in KINDS for f in ("sent", "received", "rounds")}
+
+    def connect(self, peer_host: str, peer_port: int, peer_pem: bytes, link_id: str) -> None:
+        libspu, p = self.libspu, self.p
+        outbound = self.relays.open_outbound((peer_host, peer_port))
+        # brpc binds its own listener: pick its port only now, after every relay socket of ours
+        # is bound, so that no relay can take it between the pick and the bind
+        own_port = _free_port("127.0.0.1")
+        self.relays.inbound.set_target(("127.0.0.1", own_port))
+        peer_cert = os.path.join(p["dir"], "peer.crt")
+        with open(peer_cert, "wb") as f:
+            f.write(peer_pem)
+        desc = libspu.link.Desc()
+        desc.id = link_id
+        for r in range(2):
+            addr = f"127.0.0.1:{own_port}" if r == p["rank"] else f"{outbound[0]}:{outbound[1]}"
+            desc.add_party(f"server{r}", addr)
+        desc.enable_ssl = True
+        for opts in (desc.client_ssl_opts, desc.server_ssl_opts):
+            opts.cert.certificate_path = p["cert"]
+            opts.cert.private_key_path = p["key"]
+            opts.verify.ca_file_path = peer_cert
+            opts.verify.verify_depth = 1
+        desc.connect_retry_times = max(1, int(p["timeout"] / 0.5))   # the parent ends us at its timeout
+        desc.connect_retry_interval_ms = 500
+        desc.recv_timeout_ms = int(p["timeout"] * 1000)
+        desc.http_timeout_ms = int(p["timeout"] * 1000)
+        try:
+            self.link = libspu.link.create_brpc(desc, p["rank"])
+        except Exception as exc:  # brpc reports every failure as a RuntimeError with a trace
+            raise EngineError(f"the two-party link did not come up: {str(exc).splitlines()[0:2]}") from None
+        # refuse a library version whose share layout differs from the one we rely on
+        cfg = self._config(64)
+        meta = libspu.ValueMeta()
+        meta.ParseFromString(self.spu.Io(2, cfg).make_shares(np.zeros(1, np.int64),
+                                                             libspu.Visibility.VIS_SECRET)[0].meta)
+        if meta.storage_type != RINGS[64][1] or meta.data_type != libspu.DataType.DT_I64:
+            raise EngineError(f"unexpected SPU share layout {meta.storage_type}")
+        self.runtimes[64] = self.spu.Runtime(self.link, cfg)
+
+    def _config(self, bits: int):
+        libspu = self.libspu
+        cfg = libspu.RuntimeConfig(protocol=libspu.ProtocolKind.CHEETAH,
+                                   field=getattr(libspu.FieldType, RINGS[bits][0]),
+                                   fxp_fraction_bits=_FRACTION_BITS)
+        cfg.trunc_allow_msb_error = False   # never the large truncation error
+        return cfg
+
+    def runtime(self, bits: int):
+        """The 32-bit runtime is made on first use, on a sub-link of its own (``spawn``), so
+        its messages never mix with the 64-bit runtime's."""
+        rt = self.runtimes.get(bits)
+        if rt is None:
+            rt = self.runtimes[bits] = self.spu.Runtime(self.link.spawn(), self._config(bits))
+        return rt
+
+    def program(self, name: str, fn: Callable, shapes: tuple, bits: int):
+        key = (name, shapes, bits)
+        prog = self.programs.get(key)
+        if prog is None:
+            libspu = self.libspu
+            args = [np.zeros(s, RINGS[bits][3]) for s in shapes]
+            names = [f"{name}-in{i}" for i in range(len(shapes))]
+            exe, out = self.frontend.compile(self.frontend.Kind.JAX, fn, args, {}, names,
+                                             [libspu.Visibility.VIS_SECRET] * len(shapes),
+                                             lambda outs: [f"{name}-out{i}" for i in range(len(outs))])
+            prog = (exe, names, [tuple(o.shape) for o in self.jax.tree_util.tree_leaves(out)])
+            if len(self.programs) > 256:
+                self.programs.clear()
+            self.programs[key] = prog
+        return prog
+
+    def run(self, name: str, fn: Callable, inputs: list, kind: str, bits: int) -> list:
+        libspu = self.libspu
+        _, storage, dtype_name, dtype = RINGS[bits]
+        shapes = tuple(tuple(int(d) for d in np.shape(x)) for x in inputs)
+        exe, names, out_shapes = self.program(name, fn, shapes, bits)
+        rt = self.runtime(bits)
+        self.kind = kind
+        try:
+            for nm, x, shp in zip(names, inputs, shapes):
+                rt.set_var(nm, self._to_share(x, shp, bits))
+            rt.run(exe)
+            return [self._from_share(rt.get_var(o), s, bits) for o, s in zip(exe.output_names, out_shapes)]
+        except EngineError:
+            raise
+        except Exception as exc:
+            raise EngineError(f"two-party engine failed in {name}: {str(exc).splitlines()[0]}") from None
+        finally:
+            for nm in (*names, *exe.output_names):   # Runtime.clear() is broken in 0.9.5
+                try:
+                    rt.del_var(nm)
+                except Exception:  # noqa: BLE001 - a variable that was never set
+                    pass
+            self.kind = "online"
+
+    def _to_share(self, arr: np.ndarray, shape: tuple, bits: int):
+        libspu = self.libspu
+        _, storage, dtype_name, dtype = RINGS[bits]
+        meta = libspu.ValueMeta()
+        meta.data_type = getattr(libspu.DataType, dtype_name)
+        meta.visibility = libspu.Visibility.VIS_SECRET
+        meta.storage_type = storage
+        meta.shape.dims = list(shape)
+        raw = np.ascontiguousarray(arr, dtype=dtype).tobytes()
+        share = libspu.Share()
+        share.meta = meta.SerializeToString()
+        chunks = []
+        for off in range(0, max(len(raw), 1), _CHUNK_BYTES):
+            c = libspu.ValueChunk()
+            c.total_bytes = len(raw)
+            c.chunk_offset = off
+            c.content = raw[off : off + _CHUNK_BYTES]
+            chunks.append(c.SerializeToString())
+        share.share_chunks = chunks
+        return share
+
+    def _from_share(self, share, shape: tuple, bits: int) -> np.ndarray:
+        libspu = self.libspu
+        _, storage, _, dtype = RINGS[bits]
+        meta = libspu.ValueMeta()
+        meta.ParseFromString(share.meta)
+        if meta.storage_type != storage:
+            raise EngineError(f"SPU returned {meta.storage_type}, expected {storage}")
+        parts = []
+        for raw in share.share_chunks:
+            c = libspu.ValueChunk()
+            c.ParseFromString(raw)
+            parts.append(c.content)
+        return np.frombuffer(b"".join(parts), dtype=dtype).reshape(shape).copy()
+
+    def close(self) -> None:
+        link, self.link = self.link, None
+        if link is not None:
+            met = threading.Event()
+
+            def barrier() -> None:
+                try:
+                    link.barrier()
+                    met.set()
+                except Exception:  # noqa: BLE001 - the peer is gone: nothing is in flight to it
+                    pass
+            t = threading.Thread(target=barrier, name="engine-close", daemon=True)
+            t.start()
+            t.join(CLOSE_WAIT)
+            if met.is_set():
+                # the barrier's own replies may still be on their way to the peer
+                time.sleep(CLOSE_GRACE)
+            try:
+                link.stop_link()
+            except Exception:  # noqa: BLE001 - the peer may be gone already
+                pass
+        self.relays.close()
+
+
+def engine_main(conn, params: dict) -> None:
+    """The engine process: serve the parent's calls until ``close`` (or the parent is gone)."""
+    logging.basicConfig(level=params.get("log_level") or logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    child = None
+    try:
+        child = _Engine(params)
+        conn.send(("ok", child.inbound[1], child.counts()))
+        while True:
+            try:
+                op, args = conn.recv()
+            except EOFError:
+                break
+            try:
+                if op == "connect":
+                    child.connect(*args)
+                    value = None
+                elif op == "run":
+                    value = child.run(*args)
+                elif op == "socket_bytes":
+                    value = child.relays.totals
+                elif op == "kernel_bytes":
+                    value = child.relays.kernel_totals()
+                elif op == "close":
+                    child.close()
+                    conn.send(("ok", None, child.counts()))
+                    break
+                else:
+                    raise EngineError(f"unknown engine call {op!r}")
+                conn.send(("ok", value, child.counts()))
+            except EngineError as exc:
+                conn.send(("error", str(exc), child.counts()))
+            except Exception as exc:  # noqa: BLE001 - reported to the parent, the session fails
+                conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}",
+                           child.counts()))
+    except BaseException as exc:  # noqa: BLE001 - start-up failed: tell the parent why
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}", child.counts() if child else None))
+        except OSError:
+            pass
+    finally:
+        conn.close()
+    # the library may still be tearing down threads; nothing of ours is left to do
+    os._exit(0)

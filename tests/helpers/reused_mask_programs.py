@@ -1,0 +1,47 @@
+"""Party programs for ``mpc.reused_masks`` (module-level: the party processes import them).
+
+Inputs are raw int64 ring shares: party 0 uses ``share0``, party 1 ``share1``."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mpc import reused_masks
+
+
+def _mine(party, share0, share1) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(share0 if party.rank == 0 else share1))
+
+
+def _bytes(party, key) -> int:
+    step = party.meters()["steps"][key]
+    return step["online_bytes_sent"] + step["online_bytes_received"]
+
+
+def _metered(party, name, fn):
+    with party.meter(name):
+        key = party.metering.open_steps()[-1]
+        out = fn()
+    return out, _bytes(party, key)
+
+
+def reuse(party, case):
+    """Open the columns once, then one product per z; returns (products, bytes of the opening,
+    bytes of each product, the opened e's)."""
+    (x0, x1), zs = case                       # x: (rows, K, *size) shares; zs: [(z0, z1)], each (rows, K)
+    x = _mine(party, x0, x1)
+    rows, k = x.shape[0], x.shape[1]
+    cols, opened_bytes = _metered(party, "open", lambda: reused_masks.open_masks(
+        [x[j, i] for j in range(rows) for i in range(k)]))
+    columns = [cols[j * k : (j + 1) * k] for j in range(rows)]
+    products, product_bytes = [], []
+    for i, (z0, z1) in enumerate(zs):
+        out, nbytes = _metered(party, f"product{i}", lambda: reused_masks.matvec(columns, _mine(party, z0, z1)))
+        products.append(out.numpy().copy())
+        product_bytes.append(nbytes)
+    return products, opened_bytes, product_bytes, [c.e.numpy().copy() for c in cols]
+
+
+def supported(party):
+    return reused_masks.supported()
