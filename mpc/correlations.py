@@ -12,6 +12,10 @@ shared twice: additively in the ring, and bit by bit (XOR) in the bit-plane layo
 ``mpc.bitplanes``. Both parties' plane shares come from their seeds; r is what they XOR
 to, so party 1 again receives only its arithmetic share.
 
+A ``cmp_tables`` request yields a random r mod 2**32 (shares: the low 32 bits of each party's
+seed-derived ring element) and, XOR-shared, comparison tables of its 4-bit chunks
+(``comparison_tables``; ``mpc.table_compare`` uses them); only party 1's table share is sent.
+
 A ``mask`` request is a uniform ring tensor a shared from the two seeds alone (the dealer
 sends nothing for it); a ``mask_matvec`` request refers back to masks by their request
 numbers and yields fresh b and shares of c = sum_k a_k * b_k, which is how one Beaver mask
@@ -38,7 +42,7 @@ from .prg import Prg
 # on int64 with wrap-around, which is arithmetic mod 2^64.
 TRIPLE_OPS = ("mul", "matmul", "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d")
 KINDS = ("triple", "square", "binary_triple", "wrap_rng", "b2a_rng", "edabit", "trunc_pair", "mask",
-         "mask_matvec")
+         "mask_matvec", "cmp_tables")
 MAX_MASKS_PER_PRODUCT = 64
 MAX_ELEMENTS = 1 << 31  # per tensor in one request; a bound against absurd requests
 
@@ -74,7 +78,7 @@ def make_request(kind: str, *args: Any, **kwargs: Any) -> tuple:
                 tuple(sorted((str(k), _plain(v)) for k, v in kwargs.items())))
     if kind == "binary_triple":
         return ("binary_triple", _size(args[0]), _size(args[1]))
-    if kind in ("square", "wrap_rng", "b2a_rng", "mask"):
+    if kind in ("square", "wrap_rng", "b2a_rng", "mask", "cmp_tables"):
         return (kind, _size(args[0]))
     if kind == "mask_matvec":
         try:
@@ -216,6 +220,8 @@ def party0_shares(req: tuple, seed0: bytes, index: int) -> tuple[torch.Tensor, .
         return (_t(g.ring(req[1])),)
     if kind == "mask_matvec":  # shares of b (one per mask) and of c = sum_k a_k b_k
         return _t(g.ring((len(req[1]),))), _t(g.ring(req[2]))
+    if kind == "cmp_tables":   # share of r (low 32 bits count), XOR share of r's tables
+        return _t(g.ring(req[1])), _t(g.ring((*req[1], TABLE_WORDS)))
     raise RequestError(kind)
 
 
@@ -237,7 +243,7 @@ def party1_free_shares(req: tuple, seed1: bytes, index: int) -> tuple[torch.Tens
         return (_t(g.ring(_plane_shape(req))),)  # planes of r, share 1
     if kind == "trunc_pair":
         return (_t(g.ring(req[1])),)  # share 1 of r; r itself is whatever the shares add to
-    if kind == "mask":
+    if kind in ("mask", "cmp_tables"):
         return (_t(g.ring(req[1])),)
     if kind == "mask_matvec":
         return (_t(g.ring((len(req[1]),))),)
@@ -274,6 +280,9 @@ def correction(req: tuple, seed0: bytes, seed1: bytes, index: int) -> torch.Tens
         return torch.cat([(top - p0[1]).unsqueeze(0), highs - p0[2]])
     if kind == "mask":
         return torch.zeros(0, dtype=torch.long)   # both shares come from the seeds
+    if kind == "cmp_tables":
+        r = (p0[0] + p1[0]).numpy().astype(np.uint32)   # mod 2**32: whatever the shares add to
+        return _t(comparison_tables(r).view(np.int64)) ^ p0[1]
     if kind == "mask_matvec":
         b = p0[0] + p1[0]
         c = torch.zeros(req[2], dtype=torch.long)
@@ -294,7 +303,7 @@ def party1_shares(req: tuple, seed1: bytes, index: int, corr: torch.Tensor) -> t
     kind = req[0]
     if kind in ("triple", "binary_triple"):
         return free[0], free[1], corr
-    if kind in ("square", "wrap_rng", "mask_matvec"):
+    if kind in ("square", "wrap_rng", "mask_matvec", "cmp_tables"):
         return free[0], corr
     if kind == "mask":
         return free
@@ -321,4 +330,28 @@ def correction_shape(req: tuple) -> tuple[int, ...]:
         return (0,)
     if req[0] == "mask_matvec":
         return req[2]
+    if req[0] == "cmp_tables":
+        return (*req[1], TABLE_WORDS)
     return req[1]
+
+
+TABLE_CHUNKS = 8      # 4-bit chunks of the 31 low bits of r (the top chunk has 3 bits)
+TABLE_WORDS = 4       # int64 words per element: one uint32 table per chunk
+
+
+def comparison_tables(r: np.ndarray) -> np.ndarray:
+    """Per element of ``r`` (uint32): ``TABLE_CHUNKS`` uint32 tables, shape (*r.shape, 8).
+
+    Table j describes chunk r_j = bits 4j..4j+3 of r (j = 7: bits 28..30): bit v (v < 16) is
+    [v < r_j] and bit 16 + v is [v == r_j], so a party holding a public chunk c_j reads its share
+    of both comparisons at bits c_j and 16 + c_j, with no communication. Bit 31 of table 7 (unused
+    by a 3-bit chunk) carries bit 31 of r, which a sign test needs beside the comparison.
+    """
+    r = np.asarray(r, dtype=np.uint32)
+    out = np.empty((*r.shape, TABLE_CHUNKS), dtype=np.uint32)
+    one = np.uint32(1)
+    for j in range(TABLE_CHUNKS):
+        chunk = (r >> np.uint32(4 * j)) & np.uint32(7 if j == TABLE_CHUNKS - 1 else 15)
+        out[..., j] = ((one << chunk) - one) | (one << (chunk + np.uint32(16)))
+    out[..., TABLE_CHUNKS - 1] |= (r >> np.uint32(31)) << np.uint32(31)
+    return out

@@ -123,6 +123,13 @@ class DealerProvider(TupleProviderBase):
         b, c = self._shares(correlations.make_request("mask_matvec", masks, size))
         return b, c
 
+    def compare_tables(self, size) -> tuple[torch.Tensor, torch.Tensor]:
+        """This party's share of a random r mod 2**32 (int64 whose low 32 bits count) and its XOR
+        share of r's comparison tables (``correlations.comparison_tables``, packed two uint32 per
+        int64: shape (*size, 4)), for ``mpc.table_compare``."""
+        r, tables = self._shares(correlations.make_request("cmp_tables", size))
+        return r, tables
+
     def B2A_rng(self, size, device=None):
         ra, rb = self._shares(correlations.make_request("b2a_rng", size))
         return AST.from_shares(ra, precision=0), BST.from_shares(rb, precision=0)

@@ -1,0 +1,147 @@
+"""SecTC's per-row test in a 32-bit ring, with sign tests read from dealer-made tables.
+
+The question, per row r of x (rows, m): does some |y_k| reach |d_r|, with y = x / 2**drop? Only
+that one bit per row is opened (as by ``protocols.threshold.any_exceeds``, which squares and
+compares in the 64-bit ring: about 91 bytes per coordinate; this costs about 24).
+
+Why 32 bits: SecTC's values are small. With the bias 2**62 and the shares read unsigned,
+floor(x' / 2**k) = (x0 >> k) + (x1 >> k) + carry - w 2**(64 - k); mod 2**32 the wrap term and the
+bias's 2**(62 - k) vanish for k <= 30, so each party shifts its own share and keeps 32 bits: y is
+the floor or one less (the carry is left out), with no communication. Domain: |y| and |d| below
+2**30 encoded (2**14 at 16 fractional bits), so that y - |d| and -y - |d| are read correctly as
+signed 32-bit values; outside it a wrap can hide a flag (``docs/protocols.md``, "Threshold check").
+
+The sign test of u (32-bit, shared): the parties open c = u + r mod 2**32 for a dealer's random r
+(4 bytes each way: c is uniform). Then u = c - r and msb(u) = c_31 XOR r_31 XOR [c' < r'] with
+c', r' the low 31 bits. The dealer cuts r' into 4-bit chunks r_j and gives XOR shares of two tables
+per chunk, [v < r_j] and [v == r_j] for every v (``mpc.correlations.comparison_tables``); the public
+chunk c_j picks the entries, so the chunk comparisons cost nothing online. They are joined from the
+lowest chunk up, lt = lt_j XOR (eq_j AND lt): 7 AND gates (7 rounds) per sign test. Then, per row,
+"no coordinate exceeds" is the AND of the 2m bits [y - |d| < 0] and [-y - |d| < 0]: an AND tree
+over words of 64 bits (about one gate per bit, log2 of the row's words + 6 rounds), and its one bit
+is opened. |d| is taken once per row in the 64-bit ring (a sign test and a product: rows values).
+
+Per coordinate, both directions: 2 x 8 bytes (two openings of c) + 2 x 7 x 4 bits (ripple) + about
+2 x 4 bits (tree) = about 24 bytes online; offline 2 x 32 bytes of tables to server 1 (r's share
+comes from the seeds) and the binary triples. What is opened: c (uniform), the AND gates' masked
+inputs (one-time pads), and the per-row answer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.distributed import ReduceOp
+
+from mpc import bitplanes
+from mpc.correlations import TABLE_CHUNKS
+from mpc.crypten_compat import crypten
+from mpc.nonnegative import and_gates
+
+__all__ = ["supported", "rows_exceed", "MAX_DROP"]
+
+MAX_DROP = 30          # the local truncation into 32 bits is exact up to its carry for drop <= 30
+_LOW31 = np.uint32(0x7FFFFFFF)
+
+
+def _context():
+    comm = crypten.communicator.get()
+    return comm, comm.get_rank(), crypten.mpc.get_default_provider()
+
+
+def supported() -> bool:
+    """Whether the session's provider makes comparison tables (dealer mode)."""
+    return hasattr(crypten.mpc.get_default_provider(), "compare_tables")
+
+
+def _to32(share: np.ndarray, drop: int, rank: int) -> np.ndarray:
+    """This party's 32-bit share of floor(x / 2**drop) or one less (module docstring)."""
+    u = np.ascontiguousarray(share, dtype=np.int64).view(np.uint64)
+    if rank == 0 and drop:
+        u = u + np.uint64(1 << 62)
+    return (u >> np.uint64(drop)).astype(np.uint32)
+
+
+def _open32(values: np.ndarray) -> np.ndarray:
+    comm = crypten.communicator.get()
+    mine = torch.from_numpy(values.view(np.int32))
+    return comm.all_reduce(mine).numpy().view(np.uint32)      # int32 addition wraps: mod 2**32
+
+
+def _negative_bits(u: np.ndarray, rank: int) -> torch.Tensor:
+    """XOR share, one bit plane (words(n),), of [u < 0] for the 32-bit shared values ``u`` (n,)."""
+    _, _, provider = _context()
+    n = u.size
+    r, tables = provider.compare_tables((n,))
+    r32 = r.numpy().astype(np.uint32)
+    t = tables.numpy().view(np.uint32).reshape(n, TABLE_CHUNKS)
+    c = _open32(u + r32)
+    # every table lookup of an element into one word: bit j = [c_j < r_j], bit 8 + j = [c_j == r_j]
+    # (XOR-shared), bit 16 = r_31's share; ``to_planes`` then turns each bit into a plane
+    word = np.zeros(n, dtype=np.uint32)
+    for j in range(TABLE_CHUNKS):
+        cj = (c >> np.uint32(4 * j)) & np.uint32(7 if j == TABLE_CHUNKS - 1 else 15)
+        tj = t[:, j]
+        word |= ((tj >> cj) & np.uint32(1)) << np.uint32(j)
+        word |= ((tj >> (cj + np.uint32(16))) & np.uint32(1)) << np.uint32(8 + j)
+    word |= (t[:, TABLE_CHUNKS - 1] >> np.uint32(31)) << np.uint32(16)
+    if rank == 0:
+        word ^= (c >> np.uint32(31)) << np.uint32(16)           # the public c_31
+    planes = bitplanes.to_planes(torch.from_numpy(word.astype(np.int64)), bits=17)
+    width = min(n, 64)
+    lt = planes[0]
+    for j in range(1, TABLE_CHUNKS):
+        lt = planes[j] ^ and_gates(planes[8 + j], lt, width)
+    return lt ^ planes[16]                                       # msb(u) = c_31 ^ r_31 ^ [c' < r']
+
+
+def _and_rows(bits: np.ndarray, rank: int) -> torch.Tensor:
+    """XOR share (rows,) of the AND of each row of XOR-shared bits (rows, k), k >= 1."""
+    rows, k = bits.shape
+    pad = -k % 64
+    if pad:   # AND-neutral padding: a shared 1 (party 0 holds 1, party 1 holds 0)
+        bits = np.concatenate([bits, np.full((rows, pad), 1 if rank == 0 else 0, np.uint8)], axis=1)
+    words = torch.from_numpy(np.packbits(bits, axis=1, bitorder="little").view(np.int64).copy())
+    while words.shape[1] > 1:
+        half = words.shape[1] // 2
+        prod = and_gates(words[:, :half].contiguous(), words[:, half : 2 * half].contiguous())
+        words = torch.cat([prod, words[:, 2 * half :]], dim=1) if words.shape[1] % 2 else prod
+    word = words[:, 0]
+    for shift in (32, 16, 8, 4, 2, 1):
+        low = (1 << shift) - 1
+        word = and_gates(word & low, (word >> shift) & low, shift)
+    return word & 1
+
+
+def rows_exceed(x: np.ndarray, drop: int, d: np.ndarray, d_shared: bool = True) -> np.ndarray:
+    """Public flags (rows,): does some |x[r, k] / 2**drop| reach |d[r]|?
+
+    ``x``: this party's int64 ring shares (rows, m); ``d``: its shares of the thresholds (rows,)
+    at the precision of the truncated x, or (``d_shared=False``) the public encoded thresholds.
+    """
+    comm, rank, _ = _context()
+    rows, m = x.shape
+    if not 0 <= drop <= MAX_DROP:
+        raise ValueError(f"rows_exceed drops 0..{MAX_DROP} bits, got {drop}")
+    if rows == 0:
+        return np.zeros(0, dtype=bool)
+    if m == 0:
+        return np.zeros(rows, dtype=bool)
+    d = np.ascontiguousarray(d, dtype=np.int64)
+    if d_shared:
+        from mpc.nonnegative import nonnegative   # |d|: a sign test and one product, rows values
+        dm = crypten.mpc.MPCTensor.from_shares(torch.from_numpy(d), precision=0)
+        sign = nonnegative(dm) * 2 - 1
+        big_d = (dm * sign).share.numpy().astype(np.uint32)
+    else:
+        big_d = (np.abs(d) if rank == 0 else np.zeros_like(d)).astype(np.uint32)
+    y = _to32(x, drop, rank)
+    col = big_d[:, None]
+    u = np.concatenate([(y - col).reshape(-1), ((np.uint32(0) - y) - col).reshape(-1)])
+    negative = _negative_bits(u, rank)                           # [y - D < 0], then [-y - D < 0]
+    n = u.size
+    flat = bitplanes.from_planes(negative.unsqueeze(0), n).numpy().astype(np.uint8)
+    per_row = flat.reshape(2, rows, m).transpose(1, 0, 2).reshape(rows, 2 * m)
+    inside = _and_rows(per_row, rank)                            # every |y| < D in the row
+    opened = comm.all_reduce(inside, op=ReduceOp.BXOR)
+    return opened.numpy() == 0
