@@ -221,7 +221,7 @@ def party0_shares(req: tuple, seed0: bytes, index: int) -> tuple[torch.Tensor, .
     if kind == "mask_matvec":  # shares of b (one per mask) and of c = sum_k a_k b_k
         return _t(g.ring((len(req[1]),))), _t(g.ring(req[2]))
     if kind == "cmp_tables":   # share of r (low 32 bits count), XOR share of r's tables
-        return _t(g.ring(req[1])), _t(g.ring((*req[1], TABLE_WORDS)))
+        return _t(g.ring(req[1])), _t(g.ring((TABLE_WORDS, _count(req[1]))))
     raise RequestError(kind)
 
 
@@ -282,7 +282,7 @@ def correction(req: tuple, seed0: bytes, seed1: bytes, index: int) -> torch.Tens
         return torch.zeros(0, dtype=torch.long)   # both shares come from the seeds
     if kind == "cmp_tables":
         r = (p0[0] + p1[0]).numpy().astype(np.uint32)   # mod 2**32: whatever the shares add to
-        return _t(comparison_tables(r).view(np.int64)) ^ p0[1]
+        return _t(tables_as_words(comparison_tables(r))) ^ p0[1]
     if kind == "mask_matvec":
         b = p0[0] + p1[0]
         c = torch.zeros(req[2], dtype=torch.long)
@@ -331,8 +331,12 @@ def correction_shape(req: tuple) -> tuple[int, ...]:
     if req[0] == "mask_matvec":
         return req[2]
     if req[0] == "cmp_tables":
-        return (*req[1], TABLE_WORDS)
+        return (TABLE_WORDS, _count(req[1]))
     return req[1]
+
+
+def _count(size: tuple[int, ...]) -> int:
+    return int(np.prod(size, dtype=np.int64))
 
 
 TABLE_CHUNKS = 8      # 4-bit chunks of the 31 low bits of r (the top chunk has 3 bits)
@@ -340,18 +344,31 @@ TABLE_WORDS = 4       # int64 words per element: one uint32 table per chunk
 
 
 def comparison_tables(r: np.ndarray) -> np.ndarray:
-    """Per element of ``r`` (uint32): ``TABLE_CHUNKS`` uint32 tables, shape (*r.shape, 8).
+    """For the elements of ``r`` (uint32, n of them): ``TABLE_CHUNKS`` uint32 tables each, shape
+    (8, n) (one contiguous row per chunk: the parties read a chunk's tables as one array).
 
     Table j describes chunk r_j = bits 4j..4j+3 of r (j = 7: bits 28..30): bit v (v < 16) is
     [v < r_j] and bit 16 + v is [v == r_j], so a party holding a public chunk c_j reads its share
     of both comparisons at bits c_j and 16 + c_j, with no communication. Bit 31 of table 7 (unused
     by a 3-bit chunk) carries bit 31 of r, which a sign test needs beside the comparison.
     """
-    r = np.asarray(r, dtype=np.uint32)
-    out = np.empty((*r.shape, TABLE_CHUNKS), dtype=np.uint32)
+    r = np.asarray(r, dtype=np.uint32).reshape(-1)
+    out = np.empty((TABLE_CHUNKS, r.size), dtype=np.uint32)
     one = np.uint32(1)
     for j in range(TABLE_CHUNKS):
         chunk = (r >> np.uint32(4 * j)) & np.uint32(7 if j == TABLE_CHUNKS - 1 else 15)
-        out[..., j] = ((one << chunk) - one) | (one << (chunk + np.uint32(16)))
-    out[..., TABLE_CHUNKS - 1] |= (r >> np.uint32(31)) << np.uint32(31)
+        np.left_shift(one, chunk, out=out[j])
+        out[j] -= one
+        out[j] |= np.left_shift(one, chunk + np.uint32(16))
+    out[TABLE_CHUNKS - 1] |= (r >> np.uint32(31)) << np.uint32(31)
     return out
+
+
+def tables_as_words(tables: np.ndarray) -> np.ndarray:
+    """(8, n) uint32 tables as the (4, n) int64 tensor that travels (the same bytes)."""
+    return tables.reshape(-1).view(np.int64).reshape(TABLE_WORDS, -1)
+
+
+def words_as_tables(words: np.ndarray) -> np.ndarray:
+    """Inverse of ``tables_as_words``."""
+    return np.ascontiguousarray(words).reshape(-1).view(np.uint32).reshape(TABLE_CHUNKS, -1)

@@ -125,8 +125,8 @@ class DealerProvider(TupleProviderBase):
 
     def compare_tables(self, size) -> tuple[torch.Tensor, torch.Tensor]:
         """This party's share of a random r mod 2**32 (int64 whose low 32 bits count) and its XOR
-        share of r's comparison tables (``correlations.comparison_tables``, packed two uint32 per
-        int64: shape (*size, 4)), for ``mpc.table_compare``."""
+        share of r's comparison tables (``correlations.comparison_tables`` as the (4, n) int64
+        words of ``correlations.tables_as_words``), for ``mpc.table_compare``."""
         r, tables = self._shares(correlations.make_request("cmp_tables", size))
         return r, tables
 

@@ -33,8 +33,7 @@ import numpy as np
 import torch
 from torch.distributed import ReduceOp
 
-from mpc import bitplanes
-from mpc.correlations import TABLE_CHUNKS
+from mpc.correlations import TABLE_CHUNKS, words_as_tables
 from mpc.crypten_compat import crypten
 from mpc.nonnegative import and_gates
 
@@ -73,26 +72,28 @@ def _negative_bits(u: np.ndarray, rank: int) -> torch.Tensor:
     _, _, provider = _context()
     n = u.size
     r, tables = provider.compare_tables((n,))
-    r32 = r.numpy().astype(np.uint32)
-    t = tables.numpy().view(np.uint32).reshape(n, TABLE_CHUNKS)
-    c = _open32(u + r32)
-    # every table lookup of an element into one word: bit j = [c_j < r_j], bit 8 + j = [c_j == r_j]
-    # (XOR-shared), bit 16 = r_31's share; ``to_planes`` then turns each bit into a plane
-    word = np.zeros(n, dtype=np.uint32)
+    t = words_as_tables(tables.numpy())                          # (8, n): one row per chunk
+    c = _open32(u + r.numpy().astype(np.uint32))
+
+    def plane(bits: np.ndarray) -> torch.Tensor:
+        # element i at bit i % 64 of word i // 64: the layout of ``mpc.bitplanes``
+        packed = np.packbits(bits.view(np.uint8), bitorder="little")
+        return torch.from_numpy(np.pad(packed, (0, -packed.size % 8)).view(np.int64))
+
+    one = np.uint32(1)
+    lt = None
     for j in range(TABLE_CHUNKS):
         cj = (c >> np.uint32(4 * j)) & np.uint32(7 if j == TABLE_CHUNKS - 1 else 15)
-        tj = t[:, j]
-        word |= ((tj >> cj) & np.uint32(1)) << np.uint32(j)
-        word |= ((tj >> (cj + np.uint32(16))) & np.uint32(1)) << np.uint32(8 + j)
-    word |= (t[:, TABLE_CHUNKS - 1] >> np.uint32(31)) << np.uint32(16)
+        less = plane(((t[j] >> cj) & one).astype(np.bool_))         # [c_j < r_j], XOR-shared
+        if lt is None:
+            lt = less
+            continue
+        equal = plane(((t[j] >> (cj + np.uint32(16))) & one).astype(np.bool_))
+        lt = less ^ and_gates(equal, lt, min(n, 64))
+    top = (t[TABLE_CHUNKS - 1] >> np.uint32(31)).astype(np.bool_)   # r_31's share
     if rank == 0:
-        word ^= (c >> np.uint32(31)) << np.uint32(16)           # the public c_31
-    planes = bitplanes.to_planes(torch.from_numpy(word.astype(np.int64)), bits=17)
-    width = min(n, 64)
-    lt = planes[0]
-    for j in range(1, TABLE_CHUNKS):
-        lt = planes[j] ^ and_gates(planes[8 + j], lt, width)
-    return lt ^ planes[16]                                       # msb(u) = c_31 ^ r_31 ^ [c' < r']
+        top ^= (c >> np.uint32(31)).astype(np.bool_)                 # the public c_31
+    return lt ^ plane(top)                                       # msb(u) = c_31 ^ r_31 ^ [c' < r']
 
 
 def _and_rows(bits: np.ndarray, rank: int) -> torch.Tensor:
@@ -140,7 +141,7 @@ def rows_exceed(x: np.ndarray, drop: int, d: np.ndarray, d_shared: bool = True) 
     u = np.concatenate([(y - col).reshape(-1), ((np.uint32(0) - y) - col).reshape(-1)])
     negative = _negative_bits(u, rank)                           # [y - D < 0], then [-y - D < 0]
     n = u.size
-    flat = bitplanes.from_planes(negative.unsqueeze(0), n).numpy().astype(np.uint8)
+    flat = np.unpackbits(negative.numpy().view(np.uint8), count=n, bitorder="little")
     per_row = flat.reshape(2, rows, m).transpose(1, 0, 2).reshape(rows, 2 * m)
     inside = _and_rows(per_row, rank)                            # every |y| < D in the row
     opened = comm.all_reduce(inside, op=ReduceOp.BXOR)

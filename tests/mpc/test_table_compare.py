@@ -111,3 +111,22 @@ def test_bytes_per_coordinate_on_a_large_row(pair):
 
 def test_supported_in_dealer_mode(pair):
     assert list(pair.call(tcp.supported)) == [True, True]
+
+
+@given(r=st.lists(st.one_of(st.integers(0, 2**32 - 1), st.sampled_from([0, 1, 15, 16, 2**31 - 1, 2**31, 2**32 - 1])),
+                  min_size=1, max_size=40))
+def test_the_dealer_tables_describe_every_chunk(r):
+    from mpc.correlations import comparison_tables, tables_as_words, words_as_tables
+
+    arr = np.array(r, dtype=np.uint32)
+    tables = words_as_tables(tables_as_words(comparison_tables(arr)))   # as they travel
+    assert tables.shape == (8, len(r))
+    for i, value in enumerate(r):
+        for j in range(8):
+            width = 3 if j == 7 else 4
+            chunk = (value >> (4 * j)) & ((1 << width) - 1)
+            word = int(tables[j, i])
+            for v in range(1 << width):
+                assert (word >> v) & 1 == (v < chunk)
+                assert (word >> (16 + v)) & 1 == (v == chunk)
+        assert int(tables[7, i]) >> 31 == value >> 31
