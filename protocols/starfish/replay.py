@@ -40,7 +40,7 @@ from typing import Any, ContextManager, Protocol
 
 import torch
 
-from .backend import reveal, stack, to_compute, weighted_sum
+from .backend import is_secret, reveal, stack, to_compute, weighted_sum
 from .correction import apply_corrections
 from .pair_buffers import PairBuffers
 from .ports import CorrectionClients, History
@@ -89,6 +89,8 @@ class Replay:
         self.model = history.model(0).to(torch.float64).clone()
         self.step = 0
         self.estimated_updates = 0
+        # plaintext only: the largest |g_hat| seen, beside SecTC's 32-bit domain (docs/protocols.md)
+        self.largest_estimate: float | None = None
         self.exact_requests: dict[int, list[int]] = {}
         self.last_aggregate: torch.Tensor | None = None
         self.present: list[int] = list(self.rest)
@@ -131,6 +133,9 @@ class Replay:
                 est = estimate_updates(stack(stored), s, S, Y, self.inverse,
                                        y_masks=self.buffers.masked_columns(present))
             self.estimated_updates += len(present)
+            if not is_secret(est):
+                peak = float(torch.as_tensor(est).abs().max()) if est.numel() else 0.0
+                self.largest_estimate = max(peak, self.largest_estimate or 0.0)
             rows = [est[r] for r in range(len(present))]
             exact_ids = schedule.rejected(self.step, t, est, self)
         if exact_ids:

@@ -66,6 +66,7 @@ class Stage2Result:
     warmup_steps: int = 0
     correction_steps: list[int] = field(default_factory=list)
     estimated_updates: int = 0
+    largest_estimate: float | None = None   # max |g_hat| over every estimate (plaintext only)
     seconds: float = 0.0
     meters: dict | None = None
 
@@ -77,6 +78,7 @@ class Stage2Result:
             "warmup_steps": self.warmup_steps,
             "correction_steps": self.correction_steps,
             "estimated_updates": self.estimated_updates,
+            "largest_estimate": self.largest_estimate,
             "seconds": self.seconds,
         }
 
@@ -171,6 +173,7 @@ def run_stage2(
     schedule = _StarfishSchedule(params.correction_interval(T), thresholds, result)
     result.model = replay.run(selected, schedule, progress)
     result.estimated_updates = replay.estimated_updates
+    result.largest_estimate = replay.largest_estimate
     result.exact_requests = replay.exact_requests
     result.seconds = time.perf_counter() - t0
     if party is not None:
