@@ -35,10 +35,11 @@ from clients.datasets import DATASET_NAMES
 from clients.models import MODEL_NAMES
 from mpc.channel import LinkProfile
 from protocols.starfish.params import PAPER
-from servers.lab.fl import run_federated, stderr_progress
+from servers.lab.fl import run_federated
 from servers.lab.metrics import arp, l2_distance
 from servers.lab.recovery import METHODS, CostRecord, FedEraser, FedRecover, RandomSelection, Retrain, Starfish
 
+from . import progress
 from .lab_setup import build_setup, starfish_params
 from .report import human_bytes
 from .secure_lab import run_secure_starfish, step_table
@@ -115,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="emulated server<->server bandwidth for --secure, 0 = unlimited (0)")
     o = parser.add_argument_group("output")
     o.add_argument("--out", help="directory for lab.json and lab.png")
-    o.add_argument("--quiet", action="store_true", help="no progress lines")
+    progress.add_quiet_argument(o)
     o.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1: the lab's small models gain nothing from "
                         "more, and spinning threads stall on a shared machine)")
@@ -140,7 +141,10 @@ def _make_method(name: str, args: argparse.Namespace):
 def run_lab(args: argparse.Namespace) -> dict[str, Any]:
     """Run the whole lab and return the JSON-able result (also printed/written by main)."""
     quiet = args.quiet
-    say = (lambda *_: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def say(msg: str) -> None:
+        progress.say(msg, quiet=quiet)
+
     secure_on = getattr(args, "secure", False)
     tolerance = getattr(args, "secure_tolerance", SECURE_TOLERANCE)
     if secure_on and not (tolerance >= 0.0):
@@ -153,8 +157,8 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
     participants, evaluate, m0, trigger = setup.participants, setup.evaluate, setup.m0, setup.trigger
 
     t0 = time.perf_counter()
-    history = run_federated(participants, m0, args.rounds, cfg.get("lr"),
-                            progress=None if quiet else stderr_progress("FL"))
+    with progress.progress(args.rounds, "FL", quiet=quiet, unit="round") as bar:
+        history = run_federated(participants, m0, args.rounds, cfg.get("lr"), progress=progress.callback(bar))
     fl_time = time.perf_counter() - t0
     original = history.model(history.num_rounds)
     rows: list[dict[str, Any]] = [{"method": "original (with target)", **evaluate(original),
@@ -165,8 +169,9 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
     costs: dict[str, CostRecord] = {}
     for name in methods:
         method = _make_method(name, args)
-        model, cost = method.unlearn(history, targets, participants,
-                                     progress=None if quiet else stderr_progress(name))
+        # each method reports its own total (rounds retrained or replayed) through the callback
+        with progress.progress(None, name, quiet=quiet, unit="round") as bar:
+            model, cost = method.unlearn(history, targets, participants, progress=progress.callback(bar))
         models[name], costs[name] = model, cost
     secure = None
     if secure_on:
@@ -247,11 +252,10 @@ def _run_secure(args: argparse.Namespace, history, targets: list[int], costs: di
     """Starfish under 2PC on ``history`` (bench.secure_lab), compared with the plaintext run."""
     params = starfish_params(args)
     link = LinkProfile(args.latency_ms / 1000.0, args.bandwidth_mbps * 1e6)
-    if not args.quiet:
-        who = "no dealer" if getattr(args, "offline", "dealer") == "two-party" else "dealer"
-        print(f"starfish (2PC): two server processes + {who} over TLS ...", file=sys.stderr, flush=True)
+    who = "no dealer" if getattr(args, "offline", "dealer") == "two-party" else "dealer"
+    progress.say(f"starfish (2PC): two server processes + {who} over TLS ...", quiet=args.quiet)
     out = run_secure_starfish(args, history, targets, params, link=link,
-                              offline=getattr(args, "offline", "dealer"))
+                              offline=getattr(args, "offline", "dealer"), quiet=args.quiet)
     v0, v1 = out["values"]
     model = torch.from_numpy(v0["model"]).to(history.model(0).dtype)
     cost = CostRecord("starfish (2PC)", history.num_rounds, wall_time_s=out["seconds"],

@@ -42,7 +42,6 @@ import hashlib
 import os
 import pickle
 import resource
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +49,8 @@ from typing import Any, Callable
 
 from mpc import run_parties
 from mpc.channel import KIND_OBJECT, NO_LINK
+
+from . import progress
 
 OFFLINE_PREFIX = "offline:"
 
@@ -130,10 +131,15 @@ def peak_rss_bytes() -> int:
 
 
 class _Proxy:
-    """Forwards everything to the real party except ``meter``."""
+    """Forwards everything to the real party except ``meter``.
 
-    def __init__(self, party: Any) -> None:
+    ``on_step(name, finished)`` is told when each top-level step starts and ends (a progress
+    bar's hook, ``bench.progress.step_hook``).
+    """
+
+    def __init__(self, party: Any, on_step: Callable[[str, bool], None] | None = None) -> None:
         self._party = party
+        self._on_step = on_step
         self._depth = 0
         self.peaks: list[tuple[str, int]] = []   # (top-level step, VmHWM after it)
 
@@ -154,6 +160,8 @@ class _Proxy:
         top = self._depth == 0
         start = len(self._plan()) if top else -1
         if top:
+            if self._on_step is not None:
+                self._on_step(name, False)
             self._before(name)
         self._depth += 1
         try:
@@ -164,11 +172,13 @@ class _Proxy:
             if top:
                 self._after(name, self._plan()[start:])
                 self.peaks.append((name, _vm_hwm_bytes()))
+                if self._on_step is not None:
+                    self._on_step(name, True)
 
 
 class RecordingParty(_Proxy):
-    def __init__(self, party: Any) -> None:
-        super().__init__(party)
+    def __init__(self, party: Any, on_step: Callable[[str, bool], None] | None = None) -> None:
+        super().__init__(party, on_step)
         self.templates: dict[str, list[tuple]] = {}
         self.variable: set[str] = set()
 
@@ -186,8 +196,9 @@ ONLINE_MATERIAL_STEPS = frozenset({"pairs"})
 
 
 class PrefetchingParty(_Proxy):
-    def __init__(self, party: Any, schedule: Schedule) -> None:
-        super().__init__(party)
+    def __init__(self, party: Any, schedule: Schedule,
+                 on_step: Callable[[str, bool], None] | None = None) -> None:
+        super().__init__(party, on_step)
         self.schedule = schedule
         self.mismatches: list[str] = []
         self.prefetched_requests = 0
@@ -221,8 +232,9 @@ class PrefetchingParty(_Proxy):
                                    f"has {len(plan)}; differing ones were fetched online")
 
 
-def instrument(party: Any, schedule: Schedule | None) -> _Proxy:
-    return RecordingParty(party) if schedule is None else PrefetchingParty(party, schedule)
+def instrument(party: Any, schedule: Schedule | None,
+               on_step: Callable[[str, bool], None] | None = None) -> _Proxy:
+    return RecordingParty(party, on_step) if schedule is None else PrefetchingParty(party, schedule, on_step)
 
 
 def party_report(proxy: _Proxy) -> dict:
@@ -248,23 +260,24 @@ class Runs:
     offline: str = "dealer"      # "dealer" or "two-party" (see the module docstring)
 
 
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def run_three(fn: Callable, args: tuple, *, link=None, schedule_path: str | os.PathLike | None = None,
               reuse_schedule: bool = True, compute_results: Any | None = None, timeout: float = 3600.0,
               party_args: tuple[tuple, tuple] = ((), ()), label: str = "",
               record: tuple[Callable, tuple] | None = None, aliases: dict[str, str] | None = None,
-              skip_compute: bool = False, offline: str = "dealer") -> Runs:
+              skip_compute: bool = False, offline: str = "dealer", quiet: bool = False) -> Runs:
     """Record (or load) the schedule, then the compute run and, given ``link``, the link run.
 
     ``fn(party, *args, schedule, *own_args)`` must call :func:`instrument` and return a dict
     holding ``party_report(proxy)`` under ``"report"``. ``compute_results`` skips the compute
     run (e.g. reused from an earlier invocation on the same configuration). ``record`` =
     ``(fn, args)`` records with another (cheaper) program on the same shapes, whose steps are
-    renamed by ``aliases`` (new name -> recorded name).
+    renamed by ``aliases`` (new name -> recorded name). ``quiet``: no line per run on stderr
+    (the runs' own bars come with ``party_args``, see ``bench.progress.party_args``).
     """
+
+    def _log(msg: str) -> None:
+        progress.say(msg, quiet=quiet)
+
     secs: dict[str, float] = {}
     schedule = None
     recorded = None
@@ -363,7 +376,8 @@ def summarize_steps(meters: list[dict], names: list[str] | None = None, offline:
 def measure(fn, args: tuple, *, profile, shaping, cache_dir: str | os.PathLike, key: str, prefix: str,
             fresh: bool = False, timeout: float = 3600.0, label: str = "",
             party_args: tuple[tuple, tuple] = ((), ()), record: tuple[Callable, tuple] | None = None,
-            aliases: dict[str, str] | None = None, compute: bool = True, offline: str = "dealer") -> Runs:
+            aliases: dict[str, str] | None = None, compute: bool = True, offline: str = "dealer",
+            quiet: bool = False) -> Runs:
     """``run_three`` with on-disk caches: the recorded schedule and the compute run.
 
     The cache key must cover everything that changes the dealer requests (configuration,
@@ -379,7 +393,7 @@ def measure(fn, args: tuple, *, profile, shaping, cache_dir: str | os.PathLike, 
     compute_res = None
     if compute_path.exists() and not fresh:
         compute_res = pickle.loads(compute_path.read_bytes())
-        _log(f"{label}: reusing the compute run {compute_path}")
+        progress.say(f"{label}: reusing the compute run {compute_path}", quiet=quiet)
     if shaping.method == "netem" and compute_res is None:
         raise RuntimeError("a netem-shaped run needs the compute run made outside the namespace first")
     link = None
@@ -388,7 +402,7 @@ def measure(fn, args: tuple, *, profile, shaping, cache_dir: str | os.PathLike, 
     runs = run_three(fn, args, link=link, schedule_path=cache / f"{prefix}-schedule-{key}.pkl",
                      reuse_schedule=not fresh, compute_results=compute_res, timeout=timeout,
                      party_args=party_args, label=label, record=record, aliases=aliases,
-                     skip_compute=not compute, offline=offline)
+                     skip_compute=not compute, offline=offline, quiet=quiet)
     if compute_res is None and runs.compute is not None:
         compute_path.write_bytes(pickle.dumps(runs.compute))
         runs.seconds["compute_cached_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -398,13 +412,15 @@ def measure(fn, args: tuple, *, profile, shaping, cache_dir: str | os.PathLike, 
 
 
 def add_cache_arguments(p) -> None:
-    """--cache-dir, --fresh, --timeout: the options of every benchmark built on ``measure``."""
+    """--cache-dir, --fresh, --timeout, --offline, --quiet: the options of every benchmark built
+    on ``measure``."""
     p.add_argument("--cache-dir", default="out/bench-cache", help="synthetic data, schedules, compute runs")
     p.add_argument("--fresh", action="store_true", help="re-record the schedule and redo the compute run")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a party waits for its peer")
     p.add_argument("--offline", choices=("dealer", "two-party"), default="dealer",
                    help="dealer (a third process makes the correlated randomness; default) or two-party "
                         "(no dealer: the servers make it between themselves, mpc/spu_engine.py)")
+    progress.add_quiet_argument(p)
 
 
 def wire_check(meters: list[dict], offline: str = "dealer") -> dict:

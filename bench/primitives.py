@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import math
 import sys
-import time
 from typing import Callable
 
 import torch
@@ -35,6 +34,7 @@ from protocols.maximum import max as secure_max
 from protocols.sort import bitonic_sort, ratio_comparator, top_k
 from protocols.threshold import any_exceeds
 
+from . import progress
 from .report import machine_info, markdown_table, write_json
 
 ELEMENTWISE_SIZES = (1_000, 100_000, 1_000_000)
@@ -166,7 +166,6 @@ def _program(party, primitive: str, sizes: list[int]) -> dict:
 # ----------------------------------------------------------------------------- parent side
 def measure(primitive: str, sizes: list[int], provider: str, link, prefill: bool,
             timeout: float) -> list[dict]:
-    t0 = time.perf_counter()
     dry = run_parties(_program, primitive, sizes, provider=provider, link=link, timeout=timeout)
     res = dry
     if provider == "dealer" and prefill:
@@ -187,7 +186,6 @@ def measure(primitive: str, sizes: list[int], provider: str, link, prefill: bool
             "online_only": res is not dry,
             "provider": provider,
         })
-    print(f"  {primitive}: {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     return rows
 
 
@@ -213,6 +211,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="emulated bandwidth, 0 = unlimited")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per session (default 1800)")
     p.add_argument("--out", default="out/primitives.json", help="JSON output path (default out/primitives.json)")
+    progress.add_quiet_argument(p)
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -229,16 +228,19 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
               file=sys.stderr)
         return 2
     rows, failures = [], []
-    for name in names:
-        default = PRIMITIVES[name][1]
-        override = _sizes(args.sort_sizes if default is SORT_SIZES else args.sizes)
-        sizes = override or list(default)
-        print(f"measuring {name} at sizes {sizes} ({args.provider}) ...", file=sys.stderr, flush=True)
-        try:
-            rows.extend(measure(name, sizes, args.provider, link, not args.no_prefill, args.timeout))
-        except Exception as exc:  # noqa: BLE001 - one primitive failing must not lose the others
-            print(f"  {name} failed: {exc}", file=sys.stderr, flush=True)
-            failures.append({"primitive": name, "sizes": sizes, "error": str(exc)})
+    with progress.progress(len(names), f"primitives ({args.provider})", quiet=args.quiet,
+                           unit="primitive") as bar:
+        for name in names:
+            default = PRIMITIVES[name][1]
+            override = _sizes(args.sort_sizes if default is SORT_SIZES else args.sizes)
+            sizes = override or list(default)
+            bar.set_postfix_str(f"{name} at sizes {sizes}")
+            try:
+                rows.extend(measure(name, sizes, args.provider, link, not args.no_prefill, args.timeout))
+            except Exception as exc:  # noqa: BLE001 - one primitive failing must not lose the others
+                progress.say(f"  {name} failed: {exc}")
+                failures.append({"primitive": name, "sizes": sizes, "error": str(exc)})
+            bar.update(1)
     cols = ["primitive", "n", "rounds", "online_bytes", "offline_bytes", "seconds"]
     print(markdown_table(rows, cols))
     path = write_json(args.out, {

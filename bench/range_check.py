@@ -38,7 +38,7 @@ from mpc.crypten_compat import crypten
 from mpc.encoding import encode
 from protocols.upload_range import DEFAULT_BOUND_BITS, uploads_in_range
 
-from . import offline, profiles
+from . import offline, profiles, progress
 from .report import machine_info, markdown_table, write_json
 from .synthetic import SyntheticConfig, config, tolerance_delta, update_values
 
@@ -70,17 +70,20 @@ def _my_share(ring: np.ndarray, rank: int, seed: int) -> torch.Tensor:
     return crypten.mpc.MPCTensor.from_shares(torch.from_numpy(mine), precision=16)
 
 
-def _program(party, spec: dict, steps: list[str], attacker: int | None, schedule) -> dict:
-    p = offline.instrument(party, schedule)
-    cfg = SyntheticConfig.from_json(spec)
-    shared = [_my_share(r, party.rank, 100 + i) for i, r in enumerate(_uploads(cfg, attacker))]
-    # First calls pay one-off costs (torch kernels, allocator growth: ~3 s on the first step here);
-    # a small check outside every step takes them (its material is fetched online, unmetered)
-    uploads_in_range(None, *(t[:2, :64] if t.dim() == 2 else t[:2] for t in shared))
-    verdicts = {}
-    for name in steps:
-        with p.meter(name):
-            verdicts[name] = uploads_in_range(p, *shared, **STEPS[name])
+def _program(party, spec: dict, steps: list[str], attacker: int | None, schedule,
+             bar: progress.PartyBar | None = None) -> dict:
+    with (bar or progress.PartyBar("range check")).open(len(steps)) as shown:
+        shown.set_postfix_str("setup")
+        p = offline.instrument(party, schedule, progress.step_hook(shown))
+        cfg = SyntheticConfig.from_json(spec)
+        shared = [_my_share(r, party.rank, 100 + i) for i, r in enumerate(_uploads(cfg, attacker))]
+        # First calls pay one-off costs (torch kernels, allocator growth: ~3 s on the first step here);
+        # a small check outside every step takes them (its material is fetched online, unmetered)
+        uploads_in_range(None, *(t[:2, :64] if t.dim() == 2 else t[:2] for t in shared))
+        verdicts = {}
+        for name in steps:
+            with p.meter(name):
+                verdicts[name] = uploads_in_range(p, *shared, **STEPS[name])
     return {"verdicts": verdicts, "report": offline.party_report(p)}
 
 
@@ -167,8 +170,10 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         print(f"--attacker must be below {cfg.clients} (or -1)", file=sys.stderr)
         return 2
     fn_args = (cfg.to_json(), steps, attacker)
+    label = f"range-check/{cfg.name}"
     common = dict(offline=args.offline, cache_dir=args.cache_dir, key=_cache_key(cfg, steps, attacker), prefix="range-check",
-                  fresh=args.fresh, timeout=args.timeout, label=f"range-check/{cfg.name}")
+                  fresh=args.fresh, timeout=args.timeout, label=label, quiet=args.quiet,
+                  party_args=progress.party_args(label, args.quiet))
     if shaping.method == "netem" and not os.environ.get(profiles.NETEM_ENV):
         offline.measure(_program, fn_args, profile=profiles.resolve("none"), shaping=profiles.Shaping("none", ""),
                         **common)

@@ -20,7 +20,6 @@ T_delta (LAN profile).
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
@@ -31,6 +30,7 @@ from protocols.starfish.round_selection import LINK_PROFILES as PROFILES
 from protocols.starfish.round_selection import T_DELTA_TABLE as DEFAULT_FILE
 from protocols.starfish.round_selection import predicted_seconds, t_delta_from
 
+from . import progress
 from .report import machine_info, markdown_table, write_json
 
 
@@ -51,19 +51,21 @@ def _program(party, T: int, seed: int) -> dict:
     return out
 
 
-def measure(Ts: list[int]) -> list[dict]:
+def measure(Ts: list[int], quiet: bool = False) -> list[dict]:
     rows = []
-    for T in Ts:
-        print(f"round selection with T = {T} ...", file=sys.stderr, flush=True)
-        first = run_parties(_program, T, T, timeout=1800)
-        res = run_parties(_program, T, T, plan=first.plans[1], timeout=1800)  # online phase only
-        if res.values[0]["ratio"] != res.values[0]["divide"]:
-            print(f"  note: methods chose different rounds at T={T} (fixed-point ties)", file=sys.stderr)
-        for method in ("ratio", "divide"):
-            a, b = (m["steps"][method] for m in res.meters)
-            rows.append({"T": T, "method": method, "rounds": a["online_rounds"],
-                         "online_bytes": a["online_bytes_sent"] + a["online_bytes_received"],
-                         "seconds": max(a["seconds"], b["seconds"])})
+    with progress.progress(len(Ts), "round selection", quiet=quiet, unit="T") as bar:
+        for T in Ts:
+            bar.set_postfix_str(f"T = {T}")
+            first = run_parties(_program, T, T, timeout=1800)
+            res = run_parties(_program, T, T, plan=first.plans[1], timeout=1800)  # online phase only
+            if res.values[0]["ratio"] != res.values[0]["divide"]:
+                progress.say(f"  note: methods chose different rounds at T={T} (fixed-point ties)")
+            for method in ("ratio", "divide"):
+                a, b = (m["steps"][method] for m in res.meters)
+                rows.append({"T": T, "method": method, "rounds": a["online_rounds"],
+                             "online_bytes": a["online_bytes_sent"] + a["online_bytes_received"],
+                             "seconds": max(a["seconds"], b["seconds"])})
+            bar.update(1)
     return rows
 
 
@@ -72,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="out/rs_switch.json", help="JSON output (default out/rs_switch.json)")
     p.add_argument("--write-default", action="store_true",
                    help=f"also store the measurement as the package default ({DEFAULT_FILE.name})")
+    progress.add_quiet_argument(p)
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         add_arguments(parser)
         args = parser.parse_args(argv)
     Ts = [int(float(t)) for t in args.T.split(",")]
-    rows = measure(Ts)
+    rows = measure(Ts, args.quiet)
     for r in rows:
         for name, (lat, bw) in PROFILES.items():
             r[f"{name}_s"] = round(predicted_seconds(r, lat, bw), 4)

@@ -27,6 +27,7 @@ from mpc import LinkProfile, run_parties
 from mpc.crypten_compat import crypten
 from protocols.compare import ge
 
+from . import progress
 from .report import machine_info, markdown_table, write_json
 
 OPS = ("mul", "ge", "ge_planes")
@@ -73,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-ms", type=float, default=0.0, help="emulated one-way latency (default 0)")
     p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="emulated bandwidth, 0 = unlimited")
     p.add_argument("--out", default="out/runtime.json", help="JSON output path (default out/runtime.json)")
+    progress.add_quiet_argument(p)
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -84,10 +86,14 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     n = int(args.n)
     link = LinkProfile(args.latency_ms / 1000.0, args.bandwidth_mbps * 1e6)
     rows = []
-    for provider in args.providers.split(","):
-        for op in OPS:
-            print(f"measuring {op} x {n:,} with {provider} ...", file=sys.stderr, flush=True)
-            rows.append(measure(op, n, provider.strip(), link))
+    providers = [p.strip() for p in args.providers.split(",") if p.strip()]
+    with progress.progress(len(providers) * len(OPS), f"runtime, n = {n:,}", quiet=args.quiet,
+                           unit="measurement") as bar:
+        for provider in providers:
+            for op in OPS:
+                bar.set_postfix_str(f"{op} with {provider}")
+                rows.append(measure(op, n, provider, link))
+                bar.update(1)
     cols = ["op", "n", "provider", "rounds", "online_bytes", "offline_bytes", "online_seconds", "dealer_requests"]
     print(markdown_table(rows, cols))
     path = write_json(args.out, {"machine": machine_info(), "link": dataclasses.asdict(link), "rows": rows})

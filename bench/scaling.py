@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import costs, offline, profiles
+from . import costs, offline, profiles, progress
 from .report import machine_info, markdown_table, write_json
 from .steps import _program
 from .synthetic import SyntheticConfig, prepare
@@ -64,19 +64,21 @@ LINK_SHAPING = profiles.Shaping("link-emulation", "the transport's LinkProfile o
 
 
 def _session(cfg: SyntheticConfig, cache_dir: str, fresh: bool, timeout: float, profile, shaping,
-             offline_mode: str = "dealer"):
+             offline_mode: str = "dealer", quiet: bool = False):
     steps = list(SETUP_STEPS + ROUND_STEPS)
     data = prepare(cfg, cache_dir)
     key = hashlib.sha256(f"{cfg.key()}|{steps}|{offline.code_fingerprint()}".encode()).hexdigest()[:16]
+    # no party bars here: the parent's bar over the points holds the terminal line
     return offline.measure(_program, (cfg.to_json(), str(data), steps, []), profile=profile, shaping=shaping,
                            cache_dir=cache_dir, key=key, prefix="scaling", fresh=fresh, timeout=timeout,
-                           label=cfg.name, offline=offline_mode)
+                           label=cfg.name, offline=offline_mode, quiet=quiet)
 
 
-def link_times(cfg: SyntheticConfig, profile, cache_dir: str, timeout: float, offline_mode: str = "dealer") -> dict:
+def link_times(cfg: SyntheticConfig, profile, cache_dir: str, timeout: float, offline_mode: str = "dealer",
+               quiet: bool = False) -> dict:
     """Measured (emulated link) and analytic seconds of one round and of TD+RS on ``profile``;
     the compute run and schedule come from the cache that ``measure_point`` filled."""
-    runs = _session(cfg, cache_dir, False, timeout, profile, LINK_SHAPING, offline_mode)
+    runs = _session(cfg, cache_dir, False, timeout, profile, LINK_SHAPING, offline_mode, quiet)
     comp = offline.summarize_steps(runs.compute.meters, offline=runs.offline)
     link = offline.summarize_steps(runs.link.meters, offline=runs.offline)
     out = {}
@@ -88,10 +90,10 @@ def link_times(cfg: SyntheticConfig, profile, cache_dir: str, timeout: float, of
 
 
 def measure_point(cfg: SyntheticConfig, cache_dir: str, fresh: bool, timeout: float,
-                  offline_mode: str = "dealer") -> dict:
+                  offline_mode: str = "dealer", quiet: bool = False) -> dict:
     steps = list(SETUP_STEPS + ROUND_STEPS)
     runs = _session(cfg, cache_dir, fresh, timeout, profiles.resolve("none"), profiles.Shaping("none", "loopback"),
-                    offline_mode)
+                    offline_mode, quiet)
     summ = offline.summarize_steps(runs.compute.meters, offline=runs.offline)
     row = {"clients": cfg.clients, "params": cfg.num_params, "rounds": cfg.rounds,
            "steps": {k: summ[k] for k in steps if k in summ}}
@@ -199,14 +201,21 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     done: dict[str, dict] = {}
     t0 = time.perf_counter()
     links = [profiles.resolve(n.strip()) for n in args.profiles.split(",") if n.strip() and n.strip() != "none"]
-    for axis, cfg in points:
-        if cfg.name not in done:
-            print(f"scaling: {cfg.name} ...", file=sys.stderr, flush=True)
-            row = measure_point(cfg, args.cache_dir, args.fresh, args.timeout, args.offline)
-            row["links"] = {prof.name: link_times(cfg, prof, args.cache_dir, args.timeout, args.offline)
-                            for prof in links}
-            done[cfg.name] = row
-        rows.append((axis, done[cfg.name]))
+    unique = len({cfg.name for _, cfg in points})
+    with progress.progress(unique * (1 + len(links)), "scaling", quiet=args.quiet, unit="session") as bar:
+        for axis, cfg in points:
+            if cfg.name not in done:
+                bar.set_postfix_str(f"{cfg.name}, loopback")
+                row = measure_point(cfg, args.cache_dir, args.fresh, args.timeout, args.offline, args.quiet)
+                bar.update(1)
+                row["links"] = {}
+                for prof in links:
+                    bar.set_postfix_str(f"{cfg.name}, {prof.name}")
+                    row["links"][prof.name] = link_times(cfg, prof, args.cache_dir, args.timeout, args.offline,
+                                                         args.quiet)
+                    bar.update(1)
+                done[cfg.name] = row
+            rows.append((axis, done[cfg.name]))
     table = []
     for axis, r in rows:
         table.append({"axis": axis, "clients": r["clients"], "params": r["params"], "T": r["rounds"],

@@ -34,6 +34,7 @@ from protocols.starfish.ports import History
 from servers.share_history import ShareHistory
 from servers.share_store import ClientShares, ShareStore
 
+from . import progress
 from .lab_setup import build_setup
 
 NORM_DELTA_PRECISION = encoding.DEFAULT_PRECISION
@@ -81,7 +82,8 @@ class SimulatedShareClients:
 
 
 def _server(party, lab_args: dict, targets: list[int], params: StarfishParams, store_root: str,
-            client_key: bytes, m0: np.ndarray, server_lr: float, my_rounds: list[dict]) -> dict:
+            client_key: bytes, m0: np.ndarray, server_lr: float, my_rounds: list[dict],
+            bar: progress.PartyBar | None = None) -> dict:
     """One server: store its shares durably, then run Stage II on them under 2PC."""
     torch.set_num_threads(1)
     setup = build_setup(argparse.Namespace(**lab_args))
@@ -93,7 +95,8 @@ def _server(party, lab_args: dict, targets: list[int], params: StarfishParams, s
                                {j: ClientShares(*v) for j, v in rnd["shares"].items()})
         history = ShareHistory(store, wrap=party.wrap_share)
     clients = SimulatedShareClients(party, setup.participants, client_key)
-    res = run_stage2(party, history, targets, params, clients)
+    with (bar or progress.PartyBar("starfish (2PC)")).open(unit="round") as shown:
+        res = run_stage2(party, history, targets, params, clients, progress=progress.callback(shown))
     store.close()
     out = res.to_json()
     out["model"] = res.model.double().numpy()
@@ -104,15 +107,17 @@ def _server(party, lab_args: dict, targets: list[int], params: StarfishParams, s
 
 def run_secure_starfish(lab_args: argparse.Namespace, history: History, targets: list[int],
                         params: StarfishParams, link=None, timeout: float = 1800.0,
-                        offline: str = "dealer") -> dict:
+                        offline: str = "dealer", quiet: bool = True) -> dict:
     """Stage II under 2PC on ``history``; returns both servers' outcomes. ``offline``: "dealer"
-    or "two-party" (no dealer, ``mpc/spu_engine.py``)."""
+    or "two-party" (no dealer, ``mpc/spu_engine.py``); ``quiet=False``: server 0 shows the
+    replayed rounds on stderr (when it is a terminal)."""
     shares0, shares1 = split_history(history)
     args = {k: v for k, v in vars(lab_args).items() if k != "func"}
+    (bar0,), (bar1,) = progress.party_args("starfish (2PC)", quiet)
     with tempfile.TemporaryDirectory(prefix="starfish-secure-lab-") as tmp:
         res = run_parties(
             _server, args, targets, params, tmp, new_seed(), history.model(0).double().numpy(),
-            float(history.server_lr), party_args=((shares0,), (shares1,)), link=link or NO_LINK,
+            float(history.server_lr), party_args=((shares0, bar0), (shares1, bar1)), link=link or NO_LINK,
             timeout=timeout, offline=offline,
         )
     return {"values": res.values, "seconds": res.seconds}

@@ -46,7 +46,7 @@ from protocols.starfish.backend import stack
 from protocols.starfish.replay import Replay
 from protocols.threshold import any_exceeds
 
-from . import costs, offline, profiles
+from . import costs, offline, profiles, progress
 from .report import machine_info, markdown_table, write_json
 from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, config, load_data, prepare
 
@@ -69,21 +69,38 @@ def _warm_up() -> None:
 
 
 # ----------------------------------------------------------------------------- party side
-def party_setup(party, spec: dict, data_path: str, schedule):
+def party_setup(party, spec: dict, data_path: str, schedule, on_step=None):
     """What every benchmark party program starts with: one thread, the synthetic history of
-    this party's shares, its simulated clients, dealer-material instrumentation, warm-up."""
+    this party's shares, its simulated clients, dealer-material instrumentation (``on_step``:
+    told of each top-level step, for a progress bar), warm-up."""
     torch.set_num_threads(1)
     cfg = SyntheticConfig.from_json(spec)
     hist = SyntheticHistory(cfg, load_data(data_path), party.rank, party.wrap_share)
     clients = SyntheticClients(hist)
-    p = offline.instrument(party, schedule)
+    p = offline.instrument(party, schedule, on_step)
     _warm_up()
     return cfg, hist, clients, p
 
 
+def top_level_steps(steps: list[str], td1_samples: list[int]) -> int:
+    """How many top-level metered steps :func:`_program` runs (the length of its progress bar)."""
+    n = int("TD2" in steps or "TC" in steps) + (len(td1_samples) if "TD1" in steps else 0)
+    n += sum(name in steps for name in ("RS1", "RS2"))
+    if {"UE", "TC", "aggregate"} & set(steps):
+        n += 1 + len({"TC", "aggregate"} & set(steps))
+    return n
+
+
 def _program(party, spec: dict, data_path: str, steps: list[str], td1_samples: list[int],
-             schedule) -> dict:
-    cfg, hist, clients, p = party_setup(party, spec, data_path, schedule)
+             schedule, bar: progress.PartyBar | None = None) -> dict:
+    with (bar or progress.PartyBar("steps")).open(top_level_steps(steps, td1_samples)) as shown:
+        shown.set_postfix_str("setup")
+        return _run_steps(party, spec, data_path, steps, td1_samples, schedule, progress.step_hook(shown))
+
+
+def _run_steps(party, spec: dict, data_path: str, steps: list[str], td1_samples: list[int],
+               schedule, on_step) -> dict:
+    cfg, hist, clients, p = party_setup(party, spec, data_path, schedule, on_step)
     rest, T, out = cfg.remaining, cfg.rounds, {}
 
     thr = None
@@ -151,6 +168,15 @@ def _one_estimated_round(p, hist, clients, cfg: SyntheticConfig, thresholds, met
 
 
 # ----------------------------------------------------------------------------- parent side
+def synthetic_history(cfg: SyntheticConfig, cache_dir: str, quiet: bool = False):
+    """``prepare`` with a bar over the rounds it generates (minutes for the MNIST shapes, once)."""
+    t0 = time.perf_counter()
+    with progress.progress(cfg.rounds, f"synthetic history {cfg.name}", quiet=quiet, unit="round") as bar:
+        path = prepare(cfg, cache_dir, lambda _msg: bar.update(1))
+    progress.say(f"synthetic history: {path} ({time.perf_counter() - t0:.1f}s)", quiet=quiet)
+    return path
+
+
 def _cache_key(cfg: SyntheticConfig, steps: list[str], samples: list[int]) -> str:
     text = f"{cfg.key()}|{','.join(steps)}|{samples}|{offline.code_fingerprint()}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -296,12 +322,12 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         return 2
     samples = [int(x) for x in args.td1_samples.split(",") if x.strip()]
     cfg = config(args.config)
-    t0 = time.perf_counter()
-    data_path = prepare(cfg, args.cache_dir)
-    print(f"synthetic history: {data_path} ({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
+    data_path = synthetic_history(cfg, args.cache_dir, args.quiet)
     fn_args = (cfg.to_json(), str(data_path), steps, samples)
+    label = f"steps/{cfg.name}"
     common = dict(offline=args.offline, cache_dir=args.cache_dir, key=_cache_key(cfg, steps, samples), prefix="steps",
-                  fresh=args.fresh, timeout=args.timeout, label=f"steps/{cfg.name}")
+                  fresh=args.fresh, timeout=args.timeout, label=label, quiet=args.quiet,
+                  party_args=progress.party_args(label, args.quiet))
     if shaping.method == "netem" and not os.environ.get(profiles.NETEM_ENV):
         # record and compute outside, then the shaped run inside a netem namespace
         offline.measure(_program, fn_args, profile=profiles.resolve("none"), shaping=profiles.Shaping("none", ""),
@@ -344,7 +370,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     return 0
 
 
-__all__ = ["main", "add_arguments", "build_rows", "tables", "STEPS"]
+__all__ = ["main", "add_arguments", "build_rows", "tables", "STEPS", "party_setup", "top_level_steps",
+           "synthetic_history"]
 
 
 if __name__ == "__main__":

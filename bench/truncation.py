@@ -30,9 +30,10 @@ from mpc import run_parties
 from mpc.crypten_compat import observe_truncations
 from protocols.starfish import StarfishParams, run_stage2
 
+from . import progress
 from . import steps as steps_bench
 from .report import machine_info, markdown_table, write_json
-from .synthetic import config, prepare
+from .synthetic import config
 
 TARGET_PROBABILITY = 2.0 ** -40
 
@@ -60,12 +61,15 @@ class _Tally:
             row["log2_histogram"] = [int(x + y) for x, y in zip(row["log2_histogram"], hist)]
 
 
-def _program(party, spec: dict, data_path: str, method: str) -> dict:
-    cfg, hist, clients, p = steps_bench.party_setup(party, spec, data_path, None)
-    tally = _Tally(party.metering)
-    params = StarfishParams(sigma=cfg.sigma, beta=cfg.beta, buffer=cfg.buffer, method=method)
-    with observe_truncations(tally):
-        res = run_stage2(p, hist, list(cfg.targets), params, clients)
+def _program(party, spec: dict, data_path: str, method: str, bar: progress.PartyBar | None = None) -> dict:
+    with (bar or progress.PartyBar("Stage II")).open(unit="round") as shown:
+        shown.set_postfix_str("setup")
+        cfg, hist, clients, p = steps_bench.party_setup(party, spec, data_path, None,
+                                                        progress.step_hook(shown, count=False))
+        tally = _Tally(party.metering)
+        params = StarfishParams(sigma=cfg.sigma, beta=cfg.beta, buffer=cfg.buffer, method=method)
+        with observe_truncations(tally):
+            res = run_stage2(p, hist, list(cfg.targets), params, clients, progress=progress.callback(shown))
     return {"rows": dict(tally.rows), "selected_rounds": res.selected_rounds}
 
 
@@ -80,6 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default="out/bench-cache", help="where the synthetic history is kept")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a party waits for its peer")
     p.add_argument("--out", default=None, help="JSON output (default out/truncation-<config>.json)")
+    progress.add_quiet_argument(p)
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -89,12 +94,12 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         add_arguments(parser)
         args = parser.parse_args(argv)
     cfg = config(args.config)
-    data_path = prepare(cfg, args.cache_dir)
-    print(f"truncation audit: one Stage II on {cfg.name} ({cfg.note}), every truncation opened ...",
-          file=sys.stderr, flush=True)
+    data_path = steps_bench.synthetic_history(cfg, args.cache_dir, args.quiet)
+    progress.say(f"truncation audit: one Stage II on {cfg.name} ({cfg.note}), every truncation opened ...",
+                 quiet=args.quiet)
     t0 = time.perf_counter()
     res = run_parties(_program, cfg.to_json(), str(data_path), args.rs_method, timeout=args.timeout,
-                      truncation=args.truncation)
+                      truncation=args.truncation, party_args=progress.party_args("truncation audit", args.quiet))
     seconds = time.perf_counter() - t0
     rows = res.values[0]["rows"]
     table, total_el, total_wraps = [], 0, 0.0

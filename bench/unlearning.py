@@ -36,11 +36,11 @@ from pathlib import Path
 from protocols.starfish import StarfishParams, run_stage2
 from protocols.starfish.round_selection import choose_method, default_t_delta
 
-from . import offline, profiles
+from . import offline, profiles, progress
 from . import steps as steps_bench
 from .report import machine_info, write_json
 from .unlearning_report import paper_row, render, target_rows
-from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, config, load_data, prepare
+from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, config, load_data
 
 ONLINE_STEPS = ("TD", "RS", "UE", "TC", "pairs", "aggregate")
 CLIENT_STEPS = ("correction",)   # simulated clients computing exact updates: no 2PC traffic
@@ -48,13 +48,17 @@ TARGET_PLAINTEXT_DIFF = 1e-3   # max |2PC - plaintext| over the model (issue 12)
 
 
 def _program(party, spec: dict, data_path: str, method: str, t_delta: int, cprofile_dir: str | None,
-             schedule) -> dict:
-    cfg, hist, clients, p = steps_bench.party_setup(party, spec, data_path, schedule)
-    params = StarfishParams(sigma=cfg.sigma, beta=cfg.beta, buffer=cfg.buffer, method=method, t_delta=t_delta)
-    prof = cProfile.Profile() if cprofile_dir else None
-    if prof is not None:
-        prof.enable()
-    res = run_stage2(p, hist, list(cfg.targets), params, clients)
+             schedule, bar: progress.PartyBar | None = None) -> dict:
+    # the replayed rounds drive the bar (known once RS has selected them); steps name the phase
+    with (bar or progress.PartyBar("Stage II")).open(unit="round") as shown:
+        shown.set_postfix_str("setup")
+        cfg, hist, clients, p = steps_bench.party_setup(party, spec, data_path, schedule,
+                                                        progress.step_hook(shown, count=False))
+        params = StarfishParams(sigma=cfg.sigma, beta=cfg.beta, buffer=cfg.buffer, method=method, t_delta=t_delta)
+        prof = cProfile.Profile() if cprofile_dir else None
+        if prof is not None:
+            prof.enable()
+        res = run_stage2(p, hist, list(cfg.targets), params, clients, progress=progress.callback(shown))
     if prof is not None:
         prof.disable()
         Path(cprofile_dir).mkdir(parents=True, exist_ok=True)
@@ -67,13 +71,16 @@ def _program(party, spec: dict, data_path: str, method: str, t_delta: int, cprof
     return out
 
 
-def plaintext_check(cfg: SyntheticConfig, data_path: str, method: str, t_delta: int, party0: dict) -> dict:
+def plaintext_check(cfg: SyntheticConfig, data_path: str, method: str, t_delta: int, party0: dict,
+                    quiet: bool = True) -> dict:
     """The plaintext twin (``run_stage2`` with ``party=None``) on the same synthetic history:
     same selected rounds, same flags, and max |2PC - plaintext| over the model."""
     hist = SyntheticHistory(cfg, load_data(data_path), None)
     params = StarfishParams(sigma=cfg.sigma, beta=cfg.beta, buffer=cfg.buffer, method=method, t_delta=t_delta)
     t0 = time.perf_counter()
-    plain = run_stage2(None, hist, list(cfg.targets), params, SyntheticClients(hist))
+    with progress.progress(None, "plaintext twin", quiet=quiet, unit="round") as bar:
+        plain = run_stage2(None, hist, list(cfg.targets), params, SyntheticClients(hist),
+                           progress=progress.callback(bar))
     diff = float(abs(plain.model.double().numpy() - party0["model"].astype("float64")).max())
     flags = {str(k): v for k, v in plain.flags.items()}
     return {"selected_rounds_equal": plain.selected_rounds == party0["selected_rounds"],
@@ -241,18 +248,17 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         return 0
 
     method, t_delta, method_run = _method(profile, args.rs_method, cfg.rounds)
-    t0 = time.perf_counter()
-    data_path = prepare(cfg, args.cache_dir)
-    print(f"synthetic history: {data_path} ({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
+    data_path = steps_bench.synthetic_history(cfg, args.cache_dir, args.quiet)
     fn_args = (cfg.to_json(), str(data_path), method, t_delta, args.cprofile)
     # The dealer requests of TD, RS, UE, TC are the same on every call: record them with one
     # call of each (bench/steps.py's program on the same shapes) instead of a whole Stage II.
     rs = "RS1" if method_run == "ratio" else "RS2"
     record = (steps_bench._program, (cfg.to_json(), str(data_path), ["TD2", rs, "UE", "TC", "aggregate"], []))
     aliases = {"TD": "TD2", "RS": rs, "UE": "UE", "TC": "TC", "aggregate": "aggregate"}
+    label = f"unlearning/{cfg.name}"
     common = dict(offline=args.offline, cache_dir=args.cache_dir, key=_cache_key(cfg, method_run), prefix="unlearning",
-                  fresh=args.fresh or bool(args.cprofile), timeout=args.timeout, label=f"unlearning/{cfg.name}",
-                  record=record, aliases=aliases)
+                  fresh=args.fresh or bool(args.cprofile), timeout=args.timeout, label=label,
+                  record=record, aliases=aliases, quiet=args.quiet, party_args=progress.party_args(label, args.quiet))
     if shaping.method == "netem" and not os.environ.get(profiles.NETEM_ENV):
         offline.measure(_program, fn_args, profile=profiles.resolve("none"), shaping=profiles.Shaping("none", ""),
                         **common)
@@ -284,8 +290,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                      f"per request, no prefetch): {', '.join(f'{x / 2**30:.2f} GiB' for x in rec_rss)}")
     if runs.seconds.get("compute_reused_from"):
         extra.append(f"compute run reused from {runs.seconds['compute_reused_from']}")
-    print("plaintext twin: run_stage2 on the same history in the clear ...", file=sys.stderr, flush=True)
-    twin = plaintext_check(cfg, str(data_path), method, t_delta, v0)
+    progress.say("plaintext twin: run_stage2 on the same history in the clear ...", quiet=args.quiet)
+    twin = plaintext_check(cfg, str(data_path), method, t_delta, v0, args.quiet)
     extra.append(f"plaintext twin (run_stage2 in the clear on the same history, {twin['plaintext_seconds']:.0f}s): "
                  f"selected rounds equal: {'yes' if twin['selected_rounds_equal'] else 'NO'}; flags equal: "
                  f"{'yes' if twin['flags_equal'] else 'NO'}; max |2PC - plaintext| over the model "

@@ -26,8 +26,10 @@ What it does (docs/design.md 4.4, issue 6):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -40,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench import progress
 from clients.metrics import Evaluator
 from clients.service_client import ServiceClient
 from clients.share_seeds import disk_traces, find_traces, seeded_shares
@@ -115,10 +118,63 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "FL round's range check starts a two-party engine: about 10 s a round here)")
     p.add_argument("--n", type=int, default=8, help="--runtime: vector length (8)")
     p.add_argument("--seed", type=int, default=4, help="--runtime: seed of the input values (4)")
+    progress.add_quiet_argument(p)
 
 
 def _say(msg: str) -> None:
-    print(msg, flush=True)
+    progress.say(msg, stream=sys.stdout)   # the report: stdout, above any bar on stderr
+
+
+class ClientsProgress:
+    """The clients' log as bars: FL rounds before the request, the unlearning job, FL rounds after.
+
+    The clients run in their own process and their log is all the demo sees of them, so the
+    round and job lines that ``clients/simulator.py`` writes drive the bars, one phase after the
+    other; every other line is an event of the report.
+    """
+
+    ROUND = re.compile(r"clients: round (\d+): ")
+    JOB = re.compile(r"clients: job \S+: (\w+) (\d+)% ")
+
+    def __init__(self, rounds: int, after: int, quiet: bool = False) -> None:
+        self.rounds, self.after, self.quiet = rounds, after, quiet
+        self._stack = contextlib.ExitStack()
+        self._phase: str | None = None
+        self._bar = None
+
+    def _enter(self, phase: str, total: int, desc: str, unit: str) -> None:
+        if self._phase == phase:
+            return
+        self.close()
+        self._phase = phase
+        # leave=False: once done, the terminal shows the report alone
+        self._bar = self._stack.enter_context(progress.progress(total, desc, quiet=self.quiet, unit=unit,
+                                                                leave=False))
+
+    def line(self, text: str) -> bool:
+        """Feed one log line; True if it was progress (drawn as a bar, not printed)."""
+        if m := self.ROUND.match(text):
+            r = int(m.group(1))
+            if r <= self.rounds:
+                self._enter("fl", self.rounds, "FL rounds", "round")
+                done = r
+            else:   # round rounds + 1 is the unlearning round, the clients train none of it
+                self._enter("after", self.after, "FL rounds after the adoption", "round")
+                done = r - self.rounds - 1
+        elif m := self.JOB.match(text):
+            self._enter("job", 100, "unlearning job (2PC)", "%")
+            self._bar.set_postfix_str(m.group(1), refresh=False)
+            done = int(m.group(2))
+        else:
+            return False
+        if done > self._bar.n:
+            self._bar.update(done - self._bar.n)
+            self._bar.refresh()   # lines arrive in bursts at each poll; show each, not every 0.1 s
+        return True
+
+    def close(self) -> None:
+        self._stack.close()
+        self._bar = None
 
 
 def _daemons(cfg: Any) -> tuple[str, ...]:
@@ -142,8 +198,9 @@ def _wait_ready(cfg: Any, procs: ProcessGroup, deadline: float) -> None:
                 continue  # connect() already waited up to 1 s for the port
 
 
-def _follow(path: Path, offset: int) -> int:
-    """Print the lines appended to ``path`` since ``offset``; return the new offset."""
+def _follow(path: Path, offset: int, shown: ClientsProgress) -> int:
+    """Show the lines appended to ``path`` since ``offset`` (progress as bars, events printed);
+    return the new offset."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)
@@ -152,7 +209,7 @@ def _follow(path: Path, offset: int) -> int:
         return offset
     end = data.rfind(b"\n") + 1
     for line in data[:end].decode(errors="replace").splitlines():
-        if line.startswith("clients:") or line.startswith("client "):
+        if (line.startswith("clients:") or line.startswith("client ")) and not shown.line(line):
             _say("  " + line)
     return offset + end
 
@@ -192,8 +249,8 @@ def _comm_table(meters0: dict, meters1: dict, two_party: bool = False) -> list[s
     return rows
 
 
-def _baselines(cfg: Any, full: History, rounds: int, n: int, target: int, model_2pc: Any
-               ) -> tuple[list, dict]:
+def _baselines(cfg: Any, full: History, rounds: int, n: int, target: int, model_2pc: Any,
+               quiet: bool = False) -> tuple[list, dict]:
     """Plaintext retrain, FedRecover and Starfish on the twin of the history the job read
     (its first ``rounds`` rounds); metrics of every model and of the final M_T."""
 
@@ -208,12 +265,19 @@ def _baselines(cfg: Any, full: History, rounds: int, n: int, target: int, model_
         def exact_updates(self, r: int, model: torch.Tensor, ids: list[int]) -> dict:
             return {j: fed.clients[j].train(model, r).update.to(torch.float64) for j in ids}
 
+    def bar(desc: str):
+        return progress.progress(None, desc, quiet=quiet, unit="round", leave=False)
+
     t = time.perf_counter()
-    plain = run_stage2(None, twin, [target], starfish_params(cfg), _Plain())
+    with bar("Starfish, plaintext twin") as b:
+        plain = run_stage2(None, twin, [target], starfish_params(cfg), _Plain(), progress=progress.callback(b))
     t_plain = time.perf_counter() - t
-    retrained, c_re = Retrain().unlearn(twin, [target], fed.clients)
-    recovered, c_fr = FedRecover(buffer=cfg.unlearning.buffer, beta=cfg.unlearning.beta,
-                                 warmup=cfg.unlearning.buffer).unlearn(twin, [target], fed.clients)
+    with bar("retrain, plaintext") as b:
+        retrained, c_re = Retrain().unlearn(twin, [target], fed.clients, progress=progress.callback(b))
+    with bar("FedRecover, plaintext") as b:
+        recovered, c_fr = FedRecover(buffer=cfg.unlearning.buffer, beta=cfg.unlearning.beta,
+                                     warmup=cfg.unlearning.buffer).unlearn(twin, [target], fed.clients,
+                                                                           progress=progress.callback(b))
     m2pc = torch.from_numpy(np.asarray(model_2pc))
     rows = [
         (f"M_{rounds} (with client {target})", twin.model(twin.num_rounds), float("nan")),
@@ -305,13 +369,17 @@ def run_service_demo(args: argparse.Namespace) -> int:
             "--unlearn", f"{target}@{args.rounds}", "--twin-dir", str(work / "twin"), "--summary",
             str(work / "clients.json"), "--max-seconds", str(max(30.0, deadline - time.monotonic()))], env)
         offset = 0
-        while clients.poll() is None:
-            procs.check_alive(*_daemons(cfg))
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the clients did not finish within {args.timeout:.0f}s")
-            offset = _follow(work / "logs" / "clients.log", offset)
-            time.sleep(0.5)  # the clients' log is the progress display
-        _follow(work / "logs" / "clients.log", offset)
+        shown = ClientsProgress(args.rounds, args.after, getattr(args, "quiet", False))
+        try:
+            while clients.poll() is None:
+                procs.check_alive(*_daemons(cfg))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the clients did not finish within {args.timeout:.0f}s")
+                offset = _follow(work / "logs" / "clients.log", offset, shown)
+                time.sleep(0.5)  # the clients' log is the progress display
+            _follow(work / "logs" / "clients.log", offset, shown)
+        finally:
+            shown.close()
         procs.check_alive(*_daemons(cfg))
         if clients.returncode != 0:
             procs.check_alive("clients")
@@ -326,7 +394,8 @@ def run_service_demo(args: argparse.Namespace) -> int:
         res0, res1 = recs[0]["result"], recs[1]["result"]
         _say("[4/5] plaintext baselines on the twin history (retrain, FedRecover, Starfish)")
         twin = NpzHistory(work / "twin")
-        table, extra = _baselines(cfg, twin, res0["rounds"], args.clients, target, recs[0]["model"])
+        table, extra = _baselines(cfg, twin, res0["rounds"], args.clients, target, recs[0]["model"],
+                                  getattr(args, "quiet", False))
         _say("[5/5] report\n")
         _say(f"FL: {summary['T']} rounds ({summary['T'] - 1} FL rounds and 1 unlearning round), "
              f"{args.clients} clients; every FL model equals plaintext FedAvg of the clients' "

@@ -5,14 +5,12 @@ clients over the network; here a client is anything with the :class:`Participant
 shape (``clients.training.LocalClient`` is one). The recovery methods use the same shape
 to ask remaining clients for exact updates, so costs can be counted in one place.
 
-Progress: ``run_federated`` calls ``progress(done, total, info)`` after every round; the
-default writes one updating line to stderr.
+Progress: ``run_federated`` calls ``progress(done, total, info)`` after every round (default:
+nothing); the commands draw it as a bar with ``bench.progress.callback``.
 """
 
 from __future__ import annotations
 
-import sys
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
@@ -27,7 +25,6 @@ __all__ = [
     "UpdateLike",
     "Participant",
     "ProgressFn",
-    "stderr_progress",
     "aggregate",
     "run_federated",
 ]
@@ -55,28 +52,6 @@ class Participant(Protocol):
 
 
 ProgressFn = Callable[[int, int, str], None]
-
-
-def stderr_progress(prefix: str) -> ProgressFn:
-    """A progress callback printing ``prefix [done/total] info`` to stderr.
-
-    On a terminal the line is rewritten in place; in a log file (not a TTY) only about
-    ten lines per run are written, so logs stay readable.
-    """
-    start = time.perf_counter()
-    tty = sys.stderr.isatty()
-
-    def report(done: int, total: int, info: str = "") -> None:
-        elapsed = time.perf_counter() - start
-        line = f"{prefix} [{done}/{total}] {info} ({elapsed:.1f}s)"
-        if tty:
-            end = "\n" if done >= total else ""
-            sys.stderr.write(f"\r{line}\x1b[K{end}")
-        elif done >= total or done % max(1, total // 10) == 0:
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-
-    return report
 
 
 def aggregate(updates: dict[int, torch.Tensor], weights: dict[int, float]) -> torch.Tensor:

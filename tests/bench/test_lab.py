@@ -56,7 +56,7 @@ _SMALL = ["--dataset", "digits", "--clients", "4", "--rounds", "6", "--epochs", 
 
 def _plaintext_as_secure(perturb):
     """A stand-in for bench.secure_lab.run_secure_starfish: the plaintext Stage II, then ``perturb``."""
-    def fake(lab_args, history, targets, params, link=None, offline="dealer"):
+    def fake(lab_args, history, targets, params, link=None, offline="dealer", quiet=True):
         from bench.lab_setup import build_setup
         from protocols.starfish import run_stage2
         from protocols.starfish.ports import remaining_clients

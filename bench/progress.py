@@ -1,0 +1,122 @@
+"""Progress bars of the long commands (``starfish bench ...``, ``starfish lab``, ``starfish demo``).
+
+One place decides whether anything is drawn, so every command behaves the same: bars go to
+stderr only (stdout carries the tables and JSON that users pipe), and nothing is drawn with
+``--quiet`` or when stderr is not a terminal (CI logs and pipes would fill up with carriage
+returns). A disabled bar is still a ``tqdm`` object whose methods do nothing, so callers never
+branch on it.
+
+Progress hooks that already exist are fed as they are: :func:`callback` turns a bar into the
+``progress(done, total, info)`` callback of ``servers.lab.fl.run_federated``, the recovery
+methods and ``run_stage2``; :func:`step_hook` follows the top-level metered steps of a party
+(``bench.offline.instrument``).
+
+Party processes of ``run_parties`` do the work while the parent only waits, so party 0 draws
+its own bar: the parent decides with :func:`party_args` (it knows ``--quiet``), the result goes
+to ``run_parties(party_args=...)``. Party 1 never draws: two processes redrawing one terminal
+line would garble it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import IO
+
+from tqdm import tqdm
+
+__all__ = ["shown", "progress", "callback", "step_hook", "say", "PartyBar", "party_args", "add_quiet_argument"]
+
+
+class _Bar(tqdm):
+    # tqdm's monitor thread only tunes bars updated from tight loops; ours are updated per step,
+    # and party processes would each get the thread for nothing
+    monitor_interval = 0
+
+
+def add_quiet_argument(parser) -> None:
+    """``--quiet`` of every long command, one help text for all."""
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bars and no status lines on stderr (bars are drawn only when "
+                             "stderr is a terminal; tables, JSON and errors are unaffected)")
+
+
+def shown(quiet: bool = False, stream: IO[str] | None = None) -> bool:
+    """Whether a bar would be drawn on ``stream`` (default: stderr)."""
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    return not quiet and callable(isatty) and bool(isatty())
+
+
+@contextlib.contextmanager
+def progress(total: int | None, desc: str, *, quiet: bool = False, unit: str = "step",
+             stream: IO[str] | None = None, leave: bool = True) -> Iterator[tqdm]:
+    """A bar of ``total`` steps (None: unknown until a :func:`callback` sets it) on stderr.
+
+    Yields the ``tqdm`` bar (``update(n)``, ``set_postfix_str(s)``, ``total``); closed on exit,
+    also when the body raises, so a failed run does not leave a half-drawn line behind.
+    """
+    stream = sys.stderr if stream is None else stream
+    bar = _Bar(total=total, desc=desc, unit=unit, file=stream, leave=leave,
+               disable=not shown(quiet, stream), dynamic_ncols=True)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def callback(bar: tqdm) -> Callable[..., None]:
+    """``progress(done, total, info)`` for the existing hooks: moves ``bar`` to ``done`` of ``total``."""
+
+    def report(done: int, total: int, info: str = "") -> None:
+        if bar.total != total:
+            bar.total = total   # Stage II knows its rounds only after selecting them
+        if info:
+            bar.set_postfix_str(info, refresh=False)
+        bar.update(done - bar.n)
+
+    return report
+
+
+def step_hook(bar: tqdm, count: bool = True) -> Callable[[str, bool], None]:
+    """``hook(name, finished)`` for a party's top-level steps: shows the step that runs, and
+    with ``count`` advances the bar when it ends (``count=False``: rounds drive the bar)."""
+
+    def hook(name: str, finished: bool) -> None:
+        if not finished:
+            bar.set_postfix_str(name)
+        elif count:
+            bar.update(1)
+
+    return hook
+
+
+def say(msg: str, *, quiet: bool = False, stream: IO[str] | None = None) -> None:
+    """Print one line (stderr by default) without tearing an active bar; nothing with ``quiet``.
+
+    For the few status lines a long command writes besides its bars (which run starts, how
+    long it took); unlike bars these also go to logs, where they are the only sign of life.
+    """
+    if not quiet:
+        stream = sys.stderr if stream is None else stream
+        tqdm.write(msg, file=stream)
+        stream.flush()
+
+
+@dataclass(frozen=True)
+class PartyBar:
+    """What a party process needs to draw a bar (picklable: it travels in ``party_args``)."""
+
+    desc: str
+    show: bool = False
+
+    def open(self, total: int | None = None, unit: str = "step") -> contextlib.AbstractContextManager[tqdm]:
+        return progress(total, self.desc, quiet=not self.show, unit=unit)
+
+
+def party_args(desc: str, quiet: bool = False) -> tuple[tuple[PartyBar], tuple[PartyBar]]:
+    """``run_parties(party_args=...)`` handing each party its bar: only party 0 draws, and only
+    if the parent would (the parties share its stderr)."""
+    return (PartyBar(desc, shown(quiet)),), (PartyBar(desc, False),)
