@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO
@@ -34,6 +35,12 @@ class _Bar(tqdm):
     # tqdm's monitor thread only tunes bars updated from tight loops; ours are updated per step,
     # and party processes would each get the thread for nothing
     monitor_interval = 0
+
+
+# One process draws on a terminal at a time (party 0, or the parent between runs), so a thread
+# lock is enough; tqdm's default adds a multiprocessing lock, which in a party process (started
+# by forkserver) is a named semaphore left behind at exit ("leaked semaphore objects").
+_Bar.set_lock(threading.RLock())
 
 
 def add_quiet_argument(parser) -> None:
@@ -101,7 +108,7 @@ def say(msg: str, *, quiet: bool = False, stream: IO[str] | None = None) -> None
     """
     if not quiet:
         stream = sys.stderr if stream is None else stream
-        tqdm.write(msg, file=stream)
+        _Bar.write(msg, file=stream)
         stream.flush()
 
 

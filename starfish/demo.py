@@ -135,6 +135,7 @@ class ClientsProgress:
 
     ROUND = re.compile(r"clients: round (\d+): ")
     JOB = re.compile(r"clients: job \S+: (\w+) (\d+)% ")
+    ADOPTED = re.compile(r"client \d+: job \S+ adopted as round ")
 
     def __init__(self, rounds: int, after: int, quiet: bool = False) -> None:
         self.rounds, self.after, self.quiet = rounds, after, quiet
@@ -151,8 +152,16 @@ class ClientsProgress:
         self._bar = self._stack.enter_context(progress.progress(total, desc, quiet=self.quiet, unit=unit,
                                                                 leave=False))
 
+    # Each phase's bar opens when the phase begins, not at its first line: the log is read in
+    # bursts, and a bar's rate (hence its time left) counts from its opening.
+    def start(self) -> None:
+        self._enter("fl", self.rounds, "FL rounds", "round")
+
     def line(self, text: str) -> bool:
         """Feed one log line; True if it was progress (drawn as a bar, not printed)."""
+        if self.ADOPTED.match(text):
+            self._enter("after", self.after, "FL rounds after the adoption", "round")
+            return False
         if m := self.ROUND.match(text):
             r = int(m.group(1))
             if r <= self.rounds:
@@ -170,6 +179,8 @@ class ClientsProgress:
         if done > self._bar.n:
             self._bar.update(done - self._bar.n)
             self._bar.refresh()   # lines arrive in bursts at each poll; show each, not every 0.1 s
+        if self._phase == "fl" and done >= self.rounds:
+            self._enter("job", 100, "unlearning job (2PC)", "%")   # the request comes next
         return True
 
     def close(self) -> None:
@@ -370,6 +381,7 @@ def run_service_demo(args: argparse.Namespace) -> int:
             str(work / "clients.json"), "--max-seconds", str(max(30.0, deadline - time.monotonic()))], env)
         offset = 0
         shown = ClientsProgress(args.rounds, args.after, getattr(args, "quiet", False))
+        shown.start()
         try:
             while clients.poll() is None:
                 procs.check_alive(*_daemons(cfg))

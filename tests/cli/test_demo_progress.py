@@ -30,6 +30,7 @@ def _run(tmp_path, quiet: bool) -> tuple[str, str]:
     log = tmp_path / "clients.log"
     log.write_text("")
     shown = ClientsProgress(rounds=3, after=2, quiet=quiet)
+    shown.start()
     offset = 0
     try:
         for line in LOG.splitlines(keepends=True):
