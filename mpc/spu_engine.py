@@ -268,8 +268,9 @@ class SpuEngine:
         x / 2**drop_bits truncated (floor or one less) and d one shared threshold per row?
         SecTC's test, opened per row only.
 
-        Why 32 bits: SecTC's documented domain is |x|, |d| < 2**15 at 16 fractional bits, so
-        the values fit a 32-bit ring, where a comparison costs about half of a 64-bit one. The
+        Why 32 bits: SecTC's values are small (domain |y|, |d| < 2**14 at 16 fractional bits, so
+        that y -+ |d| fits a signed 32-bit value, as for the dealer mode's ``mpc.table_compare``),
+        and in a 32-bit ring a comparison costs about half of a 64-bit one. The
         shares are taken mod 2**32 (a ring homomorphism: still shares of the same value). The
         truncation by ``drop_bits`` (0 <= k <= 30) is local: with the bias 2**62 and the shares
         read unsigned, floor(x' / 2**k) = (x0 >> k) + (x1 >> k) + carry - w 2**(64 - k), and
