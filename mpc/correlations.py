@@ -44,6 +44,7 @@ TRIPLE_OPS = ("mul", "matmul", "conv1d", "conv2d", "conv_transpose1d", "conv_tra
 KINDS = ("triple", "square", "binary_triple", "wrap_rng", "b2a_rng", "edabit", "trunc_pair", "mask",
          "mask_matvec", "cmp_tables")
 MAX_MASKS_PER_PRODUCT = 64
+MASK_STREAM = 1 << 62   # request numbers of reusable masks and their products (a stream of their own)
 MAX_ELEMENTS = 1 << 31  # per tensor in one request; a bound against absurd requests
 
 

@@ -34,6 +34,7 @@ class DealerProvider(TupleProviderBase):
         self._rank = -1
         self._seed = b""
         self._index = 0
+        self._mask_next = correlations.MASK_STREAM
         self._cache: dict[int, tuple[tuple, tuple[torch.Tensor, ...]]] = {}
         self.recorded: list[tuple] = []
         self.cache_misses = 0
@@ -41,6 +42,7 @@ class DealerProvider(TupleProviderBase):
     def attach(self, rank: int, link: DealerLink) -> None:
         self._link, self._rank, self._seed = link, rank, link.seed
         self._index, self._cache, self.recorded, self.cache_misses = 0, {}, [], 0
+        self._mask_next = correlations.MASK_STREAM
 
     def detach(self) -> None:
         self._link = None
@@ -110,18 +112,31 @@ class DealerProvider(TupleProviderBase):
         d = lo..hi stacked in front. Raw tensors, for ``mpc.truncation``."""
         return self._shares(correlations.make_request("trunc_pair", size, lo, hi))
 
-    def mask(self, size) -> tuple[int, torch.Tensor]:
-        """(request number, this party's ring share) of a fresh uniform mask a; the number is
-        how later ``masked_matvec`` requests name it (``mpc.reused_masks``)."""
-        index = self._index
-        (a,) = self._shares(correlations.make_request("mask", size))
-        return index, a
+    # ------------------------------------------------- reusable masks (``mpc.reused_masks``)
+    def _stream(self, reqs: list[tuple]) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
+        """(request number, shares) of ``reqs`` in the mask stream: numbers from ``MASK_STREAM``
+        on, apart from the planned sequence, because which masks exist depends on the replay's
+        state (a column is opened once, then reused), so these requests cannot be part of a
+        per-step template (``bench/offline.py``). Party 1 fetches a whole batch in one exchange."""
+        start = self._mask_next
+        self._mask_next += len(reqs)
+        if self._rank == 0:
+            return [(start + k, correlations.party0_shares(r, self._seed, start + k)) for k, r in enumerate(reqs)]
+        corrs = self._require_link().prefill(start, reqs)
+        return [(start + k, correlations.party1_shares(r, self._seed, start + k, c))
+                for k, (r, c) in enumerate(zip(reqs, corrs))]
 
-    def masked_matvec(self, masks, size) -> tuple[torch.Tensor, torch.Tensor]:
-        """This party's ring shares of a fresh b (one entry per mask named) and of
-        c = sum_k a_k * b_k, with a_k the masks ``masks`` (request numbers) of shape ``size``."""
-        b, c = self._shares(correlations.make_request("mask_matvec", masks, size))
-        return b, c
+    def masks(self, sizes) -> list[tuple[int, torch.Tensor]]:
+        """Per size: (request number, this party's ring share) of a fresh uniform mask a; the
+        number is how ``masked_matvecs`` names it later."""
+        out = self._stream([correlations.make_request("mask", size) for size in sizes])
+        return [(i, shares[0]) for i, shares in out]
+
+    def masked_matvecs(self, items) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per (mask numbers, size): this party's ring shares of a fresh b (one entry per mask)
+        and of c = sum_k a_k * b_k, with a_k the masks named (each of shape ``size``)."""
+        out = self._stream([correlations.make_request("mask_matvec", masks, size) for masks, size in items])
+        return [shares for _, shares in out]
 
     def compare_tables(self, size) -> tuple[torch.Tensor, torch.Tensor]:
         """This party's share of a random r mod 2**32 (int64 whose low 32 bits count) and its XOR

@@ -22,7 +22,11 @@ with several b's reveals nothing more: every later message is f with its own fre
 only ever seen as a share. This is the reuse of a matrix's mask across products of SecureML
 (Mohassel and Zhang, 2017), applied per column.
 
-Needs a provider with ``mask`` and ``masked_matvec`` (the dealer's, ``mpc.dealer_provider``);
+The material comes in one dealer exchange per call (``masks``, ``masked_matvecs``: request
+numbers of a stream of their own, since which masks exist depends on the replay's state, so
+they cannot be prefetched from a per-step template; ``mpc.dealer_provider``).
+
+Needs a provider with ``masks`` and ``masked_matvecs`` (the dealer's, ``mpc.dealer_provider``);
 ``supported()`` says whether the session's has them (the two-party engine and the test-only
 TFP provider do not: callers then use an ordinary product).
 """
@@ -56,7 +60,7 @@ def _context():
 
 def supported() -> bool:
     """Whether the session's provider makes reusable masks (dealer mode)."""
-    return hasattr(crypten.mpc.get_default_provider(), "masked_matvec")
+    return hasattr(crypten.mpc.get_default_provider(), "masked_matvecs")
 
 
 def open_masks(shares: Sequence[torch.Tensor]) -> list[MaskedShare]:
@@ -64,7 +68,7 @@ def open_masks(shares: Sequence[torch.Tensor]) -> list[MaskedShare]:
     if not shares:
         return []
     comm, _, provider = _context()
-    masks = [provider.mask(tuple(x.shape)) for x in shares]
+    masks = provider.masks([tuple(x.shape) for x in shares])
     opened = comm.all_reduce([x - a for x, (_, a) in zip(shares, masks)], batched=True)
     return [MaskedShare(index, e, a) for (index, a), e in zip(masks, opened)]
 
@@ -85,7 +89,7 @@ def matvec(columns: Sequence[Sequence[MaskedShare]], z: torch.Tensor) -> torch.T
                          f"got z {tuple(z.shape)}")
     size = tuple(columns[0][0].e.shape)
     comm, rank, provider = _context()
-    material = [provider.masked_matvec(tuple(x.index for x in cols), size) for cols in columns]
+    material = provider.masked_matvecs([(tuple(x.index for x in cols), size) for cols in columns])
     b = torch.stack([m[0] for m in material])                     # (rows, K)
     f = comm.all_reduce(z - b)                                    # public, fresh pads
     e = torch.stack([torch.stack([x.e for x in cols], dim=-1) for cols in columns])   # (rows, *size, K)
