@@ -138,9 +138,21 @@ class MaskRegistry:
     Bounded: the oldest masks are forgotten first (a replay keeps only its last B per client).
     """
 
-    def __init__(self, limit: int = 1 << 16) -> None:
+    def __init__(self, limit: int = 1 << 16, cache_bytes: int = 1 << 28) -> None:
         self._sizes: dict[int, tuple[int, ...]] = {}
         self._limit = limit
+        self._cache: dict[int, torch.Tensor] = {}      # recently used mask values, oldest first
+        self._cache_bytes = cache_bytes
+
+    def value(self, size: tuple[int, ...], seed0: bytes, seed1: bytes, index: int) -> torch.Tensor:
+        """The mask of request ``index``, from the cache (bounded by ``cache_bytes``) or the seeds."""
+        a = self._cache.pop(index, None)
+        if a is None:
+            a = mask_value(size, seed0, seed1, index)
+        self._cache[index] = a
+        while sum(t.numel() * 8 for t in self._cache.values()) > self._cache_bytes and len(self._cache) > 1:
+            del self._cache[next(iter(self._cache))]
+        return a
 
     def admit(self, req: tuple, index: int) -> None:
         if req[0] == "mask":
@@ -217,8 +229,8 @@ def party0_shares(req: tuple, seed0: bytes, index: int) -> tuple[torch.Tensor, .
         return _t(g.ring(req[1])), _t(g.ring(_plane_shape(req)))  # (arithmetic r0, planes of r, share 0)
     if kind == "trunc_pair":  # shares of r, msb(r), and r >> d for d = lo..hi (stacked)
         return _t(g.ring(req[1])), _t(g.ring(req[1])), _t(g.ring((req[3] - req[2] + 1, *req[1])))
-    if kind == "mask":
-        return (_t(g.ring(req[1])),)
+    if kind == "mask":         # share of a, and of sum(a * a) (for squared norms, ``mpc.reused_masks``)
+        return _t(g.ring(req[1])), _t(g.ring((1,)))
     if kind == "mask_matvec":  # shares of b (one per mask) and of c = sum_k a_k b_k
         return _t(g.ring((len(req[1]),))), _t(g.ring(req[2]))
     if kind == "cmp_tables":   # share of r (low 32 bits count), XOR share of r's tables
@@ -251,8 +263,10 @@ def party1_free_shares(req: tuple, seed1: bytes, index: int) -> tuple[torch.Tens
     raise RequestError(kind)
 
 
-def correction(req: tuple, seed0: bytes, seed1: bytes, index: int) -> torch.Tensor:
-    """What the dealer sends party 1 for request ``index``."""
+def correction(req: tuple, seed0: bytes, seed1: bytes, index: int,
+               masks: "MaskRegistry | None" = None) -> torch.Tensor:
+    """What the dealer sends party 1 for request ``index`` (``masks``: the session's registry,
+    whose cache spares rebuilding a mask from the seeds for each product that names it)."""
     p0 = party0_shares(req, seed0, index)
     p1 = party1_free_shares(req, seed1, index)
     kind = req[0]
@@ -280,7 +294,8 @@ def correction(req: tuple, seed0: bytes, seed1: bytes, index: int) -> torch.Tens
                              for d in range(req[2], req[3] + 1)])
         return torch.cat([(top - p0[1]).unsqueeze(0), highs - p0[2]])
     if kind == "mask":
-        return torch.zeros(0, dtype=torch.long)   # both shares come from the seeds
+        a = p0[0] + p1[0]
+        return (a * a).sum().reshape(1) - p0[1]
     if kind == "cmp_tables":
         r = (p0[0] + p1[0]).numpy().astype(np.uint32)   # mod 2**32: whatever the shares add to
         return _t(tables_as_words(comparison_tables(r))) ^ p0[1]
@@ -288,7 +303,8 @@ def correction(req: tuple, seed0: bytes, seed1: bytes, index: int) -> torch.Tens
         b = p0[0] + p1[0]
         c = torch.zeros(req[2], dtype=torch.long)
         for k, i in enumerate(req[1]):
-            c += mask_value(req[2], seed0, seed1, i) * b[k]
+            a = masks.value(req[2], seed0, seed1, i) if masks is not None else mask_value(req[2], seed0, seed1, i)
+            c += a * b[k]
         return c - p0[1]
     raise RequestError(kind)
 
@@ -304,10 +320,8 @@ def party1_shares(req: tuple, seed1: bytes, index: int, corr: torch.Tensor) -> t
     kind = req[0]
     if kind in ("triple", "binary_triple"):
         return free[0], free[1], corr
-    if kind in ("square", "wrap_rng", "mask_matvec", "cmp_tables"):
+    if kind in ("square", "wrap_rng", "mask_matvec", "cmp_tables", "mask"):
         return free[0], corr
-    if kind == "mask":
-        return free
     if kind in ("b2a_rng", "edabit"):
         return corr, free[0]
     if kind == "trunc_pair":
@@ -328,7 +342,7 @@ def correction_shape(req: tuple) -> tuple[int, ...]:
     if req[0] == "trunc_pair":
         return (req[3] - req[2] + 2, *req[1])
     if req[0] == "mask":
-        return (0,)
+        return (1,)
     if req[0] == "mask_matvec":
         return req[2]
     if req[0] == "cmp_tables":

@@ -145,7 +145,7 @@ class DealerServer:
         def answer(raw, index: int) -> None:
             req = correlations.validate(raw)
             masks.admit(req, index)
-            ch.send_frame(KIND_TENSOR, _bytes(correlations.correction(req, s0, s1, index)))
+            ch.send_frame(KIND_TENSOR, _bytes(correlations.correction(req, s0, s1, index, masks)))
         try:
             while True:
                 msg = unpack(ch.recv_frame(KIND_OBJECT))

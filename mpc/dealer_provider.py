@@ -126,11 +126,11 @@ class DealerProvider(TupleProviderBase):
         return [(start + k, correlations.party1_shares(r, self._seed, start + k, c))
                 for k, (r, c) in enumerate(zip(reqs, corrs))]
 
-    def masks(self, sizes) -> list[tuple[int, torch.Tensor]]:
-        """Per size: (request number, this party's ring share) of a fresh uniform mask a; the
-        number is how ``masked_matvecs`` names it later."""
+    def masks(self, sizes) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Per size: (request number, this party's ring share of a fresh uniform mask a, its share
+        of sum(a * a), shape (1,)); the number is how ``masked_matvecs`` names a later."""
         out = self._stream([correlations.make_request("mask", size) for size in sizes])
-        return [(i, shares[0]) for i, shares in out]
+        return [(i, shares[0], shares[1]) for i, shares in out]
 
     def masked_matvecs(self, items) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per (mask numbers, size): this party's ring shares of a fresh b (one entry per mask)

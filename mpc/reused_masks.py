@@ -13,7 +13,9 @@ products over the columns of a client). With e = y - a and f = z - b opened,
 
     y * z = e f + e b + a f + c,
 
-linear in the shares of a, b and c, so each party computes its share locally.
+linear in the shares of a, b and c, so each party computes its share locally. The same opened e
+also gives the squared norm sum y^2 = sum e^2 + 2 sum e a + sum a^2 locally, with the dealer's
+share of sum a^2 (the L-BFGS curvature test needs y^T y of each new column).
 
 What is opened, and why it stays uniform: e = y - a once per column, a one-time pad because a is
 uniform and masks nothing else (the dealer refuses products naming anything but an earlier mask of
@@ -40,17 +42,18 @@ import torch
 
 from mpc.crypten_compat import crypten
 
-__all__ = ["MaskedShare", "supported", "open_masks", "matvec"]
+__all__ = ["MaskedShare", "supported", "open_masks", "matvec", "squared_norms"]
 
 
 @dataclass(frozen=True)
 class MaskedShare:
     """This party's view of a shared x whose mask was opened: e = x - a (public), its share of a,
-    and the dealer's number for a."""
+    its share of sum(a * a), and the dealer's number for a."""
 
     index: int
     e: torch.Tensor
     a: torch.Tensor
+    a_norm2: torch.Tensor
 
 
 def _context():
@@ -69,8 +72,17 @@ def open_masks(shares: Sequence[torch.Tensor]) -> list[MaskedShare]:
         return []
     comm, _, provider = _context()
     masks = provider.masks([tuple(x.shape) for x in shares])
-    opened = comm.all_reduce([x - a for x, (_, a) in zip(shares, masks)], batched=True)
-    return [MaskedShare(index, e, a) for (index, a), e in zip(masks, opened)]
+    opened = comm.all_reduce([x - a for x, (_, a, _) in zip(shares, masks)], batched=True)
+    return [MaskedShare(index, e, a, n2) for (index, a, n2), e in zip(masks, opened)]
+
+
+def squared_norms(masked: Sequence[MaskedShare]) -> torch.Tensor:
+    """This party's shares (k,) of sum(x * x) for each opened x (ring values, no truncation), with
+    no communication: sum (e + a)^2 = sum e^2 + 2 sum e a + sum a^2, the last from the dealer."""
+    _, rank, _ = _context()
+    out = [2 * (x.e * x.a).sum() + x.a_norm2.reshape(()) + ((x.e * x.e).sum() if rank == 0 else 0)
+           for x in masked]
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.long)
 
 
 def matvec(columns: Sequence[Sequence[MaskedShare]], z: torch.Tensor) -> torch.Tensor:

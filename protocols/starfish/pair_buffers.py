@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from mpc import reused_masks
+from mpc.crypten_compat import crypten
 from protocols import backend as B
 from protocols.compare import ge
 from protocols.inner_product import inner
@@ -41,12 +42,14 @@ __all__ = ["PairBuffers", "MIN_COSINE", "curvature_ok"]
 MIN_COSINE = 0.01
 
 
-def curvature_ok(s: torch.Tensor, ys: Sequence[Any], min_cos: float = MIN_COSINE) -> list[bool]:
+def curvature_ok(s: torch.Tensor, ys: Sequence[Any], min_cos: float = MIN_COSINE,
+                 masked: Sequence[Any] | None = None) -> list[bool]:
     """Per secant y in ``ys`` (shared or plain), whether y^T s > 0 and cos(y, s) >= min_cos.
 
     2PC: y^T s (shared x public) and y^T y (shared x shared) as inner products, the squared
     test on raw products (no truncation of the small values), two sign tests and their AND
-    (one product of bits); opens only the accept bits.
+    (one product of bits); opens only the accept bits. ``masked`` (dealer mode): the ys with
+    their Beaver masks opened (``mpc.reused_masks``), which give y^T y with no further opening.
     """
     if not ys:
         return []
@@ -61,7 +64,11 @@ def curvature_ok(s: torch.Tensor, ys: Sequence[Any], min_cos: float = MIN_COSINE
         return out
     Y = stack([B.to_shared_like(y) for y in ys])
     u = inner(Y, s.to(torch.float64), dim=-1)          # (k,) at F bits
-    yy = inner(Y, Y, dim=-1)                            # (k,) at F bits
+    if masked is not None:   # sum (e + a)^2 from the opened masks, then one truncation
+        raw = crypten.mpc.MPCTensor.from_shares(reused_masks.squared_norms(masked), precision=0)
+        yy = B.rescale(B.relabel(raw, 2 * B.frac_bits()))
+    else:
+        yy = inner(Y, Y, dim=-1)                        # (k,) at F bits
     u2 = B.relabel(B.raw_mul(u, u), 2 * B.frac_bits())  # (y^T s)^2 at 2F bits
     e = min(int(B.public_exponent(torch.tensor(c2ss))), 24)  # keeps the lifted ring below 2**62 for |y^T s| < 2**11
     rhs = B.relabel(B.relabel(yy, 0) * int(round(c2ss * 2.0 ** e)), B.frac_bits() + e)
@@ -90,12 +97,18 @@ class PairBuffers:
         """Offer one pair (s, y_j) per client; keep those that pass (module docstring)."""
         if float(s.norm()) == 0.0:
             return [False] * len(clients)
-        accepted = curvature_ok(s, list(ys), self.min_cos)
-        for j, y, ok in zip(clients, ys, accepted):
+        ys = list(ys)
+        # dealer mode: each new column's mask is opened here, once; it gives the curvature test's
+        # y^T y and then serves every estimate's product while the column stays in the buffer
+        masked = None
+        if ys and all(is_secret(y) for y in ys) and reused_masks.supported():
+            masked = reused_masks.open_masks([y.share for y in ys])
+        accepted = curvature_ok(s, ys, self.min_cos, masked)
+        for k, (j, y, ok) in enumerate(zip(clients, ys, accepted)):
             if ok:
                 self._s[j].append(s)
                 self._y[j].append(y)
-                self._masks[j].append(None)
+                self._masks[j].append(masked[k] if masked is not None else None)
                 if len(self._s[j]) > self.size:
                     self._s[j].pop(0)
                     self._y[j].pop(0)
@@ -115,8 +128,9 @@ class PairBuffers:
     def masked_columns(self, clients: Sequence[int]) -> list[list[Any]] | None:
         """Per client of ``clients``, its y columns with their Beaver masks opened
         (``mpc.reused_masks``), oldest first; None where there is nothing to reuse (plaintext, or a
-        provider without reusable masks). A column is opened the first time it is asked for (one
-        round for all new ones) and then serves every product until it leaves the buffer."""
+        provider without reusable masks). Columns are opened when they enter the buffer
+        (``push_many``); one that has not been (pushed by other code) is opened here, one round for
+        all, and then serves every product until it leaves the buffer."""
         if not any(is_secret(y) for j in clients for y in self._y[j]) or not reused_masks.supported():
             return None
         missing = [(j, k) for j in clients for k, m in enumerate(self._masks[j]) if m is None]

@@ -28,7 +28,7 @@ def _metered(party, name, fn):
 
 def reuse(party, case):
     """Open the columns once, then one product per z; returns (products, bytes of the opening,
-    bytes of each product, the opened e's)."""
+    bytes of each product, the opened e's, the squared norms' shares)."""
     (x0, x1), zs = case                       # x: (rows, K, *size) shares; zs: [(z0, z1)], each (rows, K)
     x = _mine(party, x0, x1)
     rows, k = x.shape[0], x.shape[1]
@@ -40,7 +40,8 @@ def reuse(party, case):
         out, nbytes = _metered(party, f"product{i}", lambda: reused_masks.matvec(columns, _mine(party, z0, z1)))
         products.append(out.numpy().copy())
         product_bytes.append(nbytes)
-    return products, opened_bytes, product_bytes, [c.e.numpy().copy() for c in cols]
+    norms = reused_masks.squared_norms(cols).numpy().copy()
+    return products, opened_bytes, product_bytes, [c.e.numpy().copy() for c in cols], norms
 
 
 def supported(party):

@@ -4,6 +4,7 @@ Properties, against numpy's ring arithmetic (uint64, wrapping) as the oracle:
 * every product sum_k x_{j,k} z_{j,k} is exact for any ring elements (edges, uniform), any number
   of rows (0 included), of columns K and of coordinates (0, 1, below and above 64), any split into
   shares, and stays exact when the same opened columns serve several fresh z's;
+* the squared norm sum x*x of each opened column comes out exact with no further exchange;
 * bytes: opening costs 8 bytes per coordinate each way, once; each product then exchanges only
   z - b (8 bytes per z entry each way), whatever the number of coordinates;
 * what is opened, e = x - a, differs from x (it is masked) and from the e of the same values
@@ -74,13 +75,17 @@ def test_products_with_reused_masks_are_exact(pair, batch):
         runs.append(((split(x, how, rng), [split(z, "uniform", rng) for z in zs]), x, zs))
     for case, x, zs in runs:
         r0, r1 = pair.call(rmp.reuse, case)
-        (p0, ob0, pb0, e0), (p1, ob1, pb1, e1) = r0, r1
+        (p0, ob0, pb0, e0, q0), (p1, ob1, pb1, e1, q1) = r0, r1
         rows, k, m = x.shape
         for got0, got1, z in zip(p0, p1, zs):
             got, want = recon(got0, got1), ring_matvec(x, z)
             if rows:
                 assert got.shape == want.shape
             assert got.size == want.size and np.array_equal(got.reshape(want.shape), want)
+        xu = x.view(np.uint64)   # squared norms of the opened columns, with no further exchange
+        with np.errstate(over="ignore"):
+            want_norms = (xu * xu).sum(axis=-1, dtype=np.uint64).view(np.int64).reshape(-1)
+        assert np.array_equal(recon(q0, q1), want_norms)
         # both open the same e; 8 bytes per coordinate each way once, then 8 per z entry
         for a, b in zip(e0, e1):
             assert np.array_equal(a, b)
@@ -109,9 +114,13 @@ def test_the_dealer_correlation_adds_up():
     size = (5, 3)
     masks = [correlations.make_request("mask", size) for _ in range(2)]
     prod = correlations.make_request("mask_matvec", (0, 1), size)
-    assert correlations.correction(masks[0], s0, s1, 0).numel() == 0   # nothing sent for a mask
-    a = [correlations.party0_shares(r, s0, i)[0] + correlations.party1_shares(r, s1, i, None)[0]
-         for i, r in enumerate(masks)]
+    a = []
+    for i, r in enumerate(masks):   # a from the seeds; the dealer sends only a share of sum(a * a)
+        corr = correlations.correction(r, s0, s1, i)
+        assert tuple(corr.shape) == correlations.correction_shape(r) == (1,)
+        (a0, n0), (a1, n1) = correlations.party0_shares(r, s0, i), correlations.party1_shares(r, s1, i, corr)
+        a.append(a0 + a1)
+        assert int((n0 + n1)[0]) == int((a[-1] * a[-1]).sum())
     corr = correlations.correction(prod, s0, s1, 2)
     b0, c0 = correlations.party0_shares(prod, s0, 2)
     b1, c1 = correlations.party1_shares(prod, s1, 2, corr)

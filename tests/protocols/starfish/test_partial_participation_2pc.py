@@ -95,13 +95,13 @@ class _margins:
             m["tc"].extend(float(x) for x in ((e - dl).abs() / dl.clamp(min=1e-12)))
             return self.orig[1](est, thr)
 
-        def curvature_ok(s, ys, min_cos=pair_buffers.MIN_COSINE):
+        def curvature_ok(s, ys, min_cos=pair_buffers.MIN_COSINE, masked=None):
             for y in ys:
                 y = torch.as_tensor(y).double()
                 den = float(y.norm() * s.double().norm())
                 if den > 0:
                     m["pairs"].append(abs(float(y @ s.double()) / den - min_cos))
-            return self.orig[2](s, ys, min_cos)
+            return self.orig[2](s, ys, min_cos, masked)
 
         round_selection.select_rounds = select_rounds
         stage2.check_thresholds = check_thresholds
