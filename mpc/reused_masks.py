@@ -104,9 +104,11 @@ def matvec(columns: Sequence[Sequence[MaskedShare]], z: torch.Tensor) -> torch.T
     material = provider.masked_matvecs([(tuple(x.index for x in cols), size) for cols in columns])
     b = torch.stack([m[0] for m in material])                     # (rows, K)
     f = comm.all_reduce(z - b)                                    # public, fresh pads
-    e = torch.stack([torch.stack([x.e for x in cols], dim=-1) for cols in columns])   # (rows, *size, K)
-    a = torch.stack([torch.stack([x.a for x in cols], dim=-1) for cols in columns])
-    bb = b.reshape(rows, *([1] * len(size)), k)
-    ff = f.reshape(rows, *([1] * len(size)), k)
-    share = (e * (bb + ff) if rank == 0 else e * bb).sum(-1) + (a * ff).sum(-1)
-    return share + torch.stack([m[1] for m in material])
+    c = torch.stack([m[1] for m in material])
+    out = torch.empty((rows, *size), dtype=torch.long)
+    for j, cols in enumerate(columns):      # column by column: no (rows, m, K) copies per call
+        acc = c[j].clone()
+        for i, x in enumerate(cols):
+            acc.add_(x.e * (b[j, i] + f[j, i] if rank == 0 else b[j, i])).add_(x.a * f[j, i])
+        out[j] = acc
+    return out
