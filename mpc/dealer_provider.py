@@ -35,6 +35,7 @@ class DealerProvider(TupleProviderBase):
         self._seed = b""
         self._index = 0
         self._mask_next = correlations.MASK_STREAM
+        self._stream_cache: dict[int, tuple] = {}
         self._cache: dict[int, tuple[tuple, tuple[torch.Tensor, ...]]] = {}
         self.recorded: list[tuple] = []
         self.cache_misses = 0
@@ -42,7 +43,7 @@ class DealerProvider(TupleProviderBase):
     def attach(self, rank: int, link: DealerLink) -> None:
         self._link, self._rank, self._seed = link, rank, link.seed
         self._index, self._cache, self.recorded, self.cache_misses = 0, {}, [], 0
-        self._mask_next = correlations.MASK_STREAM
+        self._mask_next, self._stream_cache = correlations.MASK_STREAM, {}
 
     def detach(self) -> None:
         self._link = None
@@ -119,12 +120,29 @@ class DealerProvider(TupleProviderBase):
         state (a column is opened once, then reused), so these requests cannot be part of a
         per-step template (``bench/offline.py``). Party 1 fetches a whole batch in one exchange."""
         start = self._mask_next
+        ready = [self._stream_cache.pop(start + k, None) for k in range(len(reqs))]
+        if reqs and all(r is not None and r[0] == req for r, req in zip(ready, reqs)):
+            self._mask_next += len(reqs)
+            return [(start + k, r[1]) for k, r in enumerate(ready)]
+        self._stream_cache.clear()   # not what was fetched ahead (both parties see the same): derive afresh
         self._mask_next += len(reqs)
         if self._rank == 0:
             return [(start + k, correlations.party0_shares(r, self._seed, start + k)) for k, r in enumerate(reqs)]
         corrs = self._require_link().prefill(start, reqs)
         return [(start + k, correlations.party1_shares(r, self._seed, start + k, c))
                 for k, (r, c) in enumerate(zip(reqs, corrs))]
+
+    def prefetch_stream(self, reqs: list[tuple]) -> None:
+        """Fetch the next ``reqs`` of the mask stream ahead of the step that will ask for them
+        (their material is offline work: ``Replay`` meters it as the step's offline part)."""
+        reqs = [correlations.validate(r) for r in reqs]
+        start = self._mask_next
+        if self._rank == 0:
+            shares = [correlations.party0_shares(r, self._seed, start + k) for k, r in enumerate(reqs)]
+        else:
+            corrs = self._require_link().prefill(start, reqs)
+            shares = [correlations.party1_shares(r, self._seed, start + k, c) for k, (r, c) in enumerate(zip(reqs, corrs))]
+        self._stream_cache = {start + k: (r, sh) for k, (r, sh) in enumerate(zip(reqs, shares))}
 
     def masks(self, sizes) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Per size: (request number, this party's ring share of a fresh uniform mask a, its share

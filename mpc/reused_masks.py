@@ -42,7 +42,7 @@ import torch
 
 from mpc.crypten_compat import crypten
 
-__all__ = ["MaskedShare", "supported", "open_masks", "matvec", "squared_norms"]
+__all__ = ["MaskedShare", "supported", "open_masks", "matvec", "prefetch_matvec", "squared_norms"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,16 @@ def squared_norms(masked: Sequence[MaskedShare]) -> torch.Tensor:
     out = [2 * (x.e * x.a).sum() + x.a_norm2.reshape(()) + ((x.e * x.e).sum() if rank == 0 else 0)
            for x in masked]
     return torch.stack(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+def prefetch_matvec(columns: Sequence[Sequence[MaskedShare]]) -> None:
+    """Fetch the dealer material of the next ``matvec(columns, ...)`` now (ahead of the step)."""
+    if not columns:
+        return
+    size = tuple(columns[0][0].e.shape)
+    from mpc.correlations import make_request
+    _, _, provider = _context()
+    provider.prefetch_stream([make_request("mask_matvec", tuple(x.index for x in cols), size) for cols in columns])
 
 
 def matvec(columns: Sequence[Sequence[MaskedShare]], z: torch.Tensor) -> torch.Tensor:

@@ -27,14 +27,10 @@ def test_unlearning_benchmark_tiny_with_an_emulated_link(tmp_path, capsys):
     tot = res["totals"]
     assert tot["online_bytes"] > 0 and tot["offline_bytes"] > 0 and tot["analytic_online_s"] > 0
     for r in res["steps"]:
-        if r["step"] == "TC":
-            assert r["offline_bytes"] > 0 and r["inline_offline_bytes"] == 0   # material came before the step
-        if r["step"] == "UE":
-            # the planned part came before the step; the reused masks' products (a stream of their
-            # own, mpc/reused_masks.py) are fetched while it runs: one m-vector per client and call
-            cfg = synthetic.config("tiny")
-            m, rows_ = cfg.num_params, cfg.clients - 1
-            assert r["offline_bytes"] > 0 and 0 < r["inline_offline_bytes"] <= r["calls"] * rows_ * (8 * m + 512)
+        if r["step"] in ("UE", "TC"):
+            # material came before the step (UE's reused-mask products are fetched by the replay
+            # right before it, metered as its offline part)
+            assert r["offline_bytes"] > 0 and r["inline_offline_bytes"] == 0
     assert res["wire"]["online"]["socket_bytes"] >= res["wire"]["online"]["metered_bytes"]
     assert all(p > 0 for p in res["peak_rss_bytes"])
     # the 2PC run makes the same public decisions as the plaintext twin on the same history

@@ -143,5 +143,15 @@ def test_the_dealer_refuses_products_that_name_no_earlier_mask_of_their_size():
         correlations.make_request("mask_matvec", (), (4,))
 
 
+def test_material_fetched_ahead_serves_the_next_products(pair):
+    rng = np.random.default_rng(4)
+    x = rng.integers(LO, HI, size=(3, 2, 70), dtype=np.int64, endpoint=True)
+    zs = [rng.integers(LO, HI, size=(3, 2), dtype=np.int64, endpoint=True) for _ in range(2)]
+    case = (split(x, "uniform", rng), [split(z, "uniform", rng) for z in zs])
+    r0, r1 = pair.call(rmp.reuse, case, True)
+    for got0, got1, z in zip(r0[0], r1[0], zs):
+        assert np.array_equal(recon(got0, got1), ring_matvec(x, z))
+
+
 def test_supported_in_dealer_mode(pair):
     assert list(pair.call(rmp.supported)) == [True, True]
