@@ -86,6 +86,8 @@ def plaintext_check(cfg: SyntheticConfig, data_path: str, method: str, t_delta: 
     return {"selected_rounds_equal": plain.selected_rounds == party0["selected_rounds"],
             "flags_equal": flags == party0["flags"], "max_abs_diff": diff,
             "target": TARGET_PLAINTEXT_DIFF, "met": diff <= TARGET_PLAINTEXT_DIFF,
+            # SecTC compares in a 32-bit ring: |g_hat| must stay below 2**14 (docs/protocols.md)
+            "largest_estimate": plain.largest_estimate, "sectc_domain": float(2**14),
             "plaintext_seconds": time.perf_counter() - t0}
 
 
@@ -296,7 +298,9 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                  f"selected rounds equal: {'yes' if twin['selected_rounds_equal'] else 'NO'}; flags equal: "
                  f"{'yes' if twin['flags_equal'] else 'NO'}; max |2PC - plaintext| over the model "
                  f"{twin['max_abs_diff']:.2e} (target <= {TARGET_PLAINTEXT_DIFF:g}: "
-                 f"{'met' if twin['met'] else 'NOT met'})")
+                 f"{'met' if twin['met'] else 'NOT met'}); largest |g_hat| "
+                 + (f"{twin['largest_estimate']:.3g}" if twin["largest_estimate"] is not None else "-")
+                 + f" (SecTC's domain: below {twin['sectc_domain']:.0f})")
     ok = agree and twin["selected_rounds_equal"] and twin["flags_equal"] and twin["met"]
     targets = target_rows(tot, rss, profile)
     paper = paper_row(profile, tot)

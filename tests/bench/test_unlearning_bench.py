@@ -22,6 +22,7 @@ def test_unlearning_benchmark_tiny_with_an_emulated_link(tmp_path, capsys):
     assert res["servers_agree"] and res["mismatches"] == []
     twin = res["plaintext_twin"]   # the benchmark's own check against run_stage2 in the clear
     assert twin["selected_rounds_equal"] and twin["flags_equal"] and twin["max_abs_diff"] <= 1e-3
+    assert 0 < twin["largest_estimate"] < twin["sectc_domain"] == 2**14 and "largest |g_hat|" in text
     names = [r["step"] for r in res["steps"]]
     assert names[:6] == ["TD", "RS", "UE", "TC", "pairs", "aggregate"]
     tot = res["totals"]
