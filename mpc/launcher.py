@@ -21,6 +21,8 @@ import os
 import pickle
 import queue
 import shutil
+import signal
+import sys
 import tempfile
 import threading
 import time
@@ -37,6 +39,9 @@ from .session import OFFLINE_MODES, open_party
 
 _KEYS_DIR: str | None = None
 _KEYS_LOCK = threading.Lock()
+#: seconds the parties get to close their sessions after reporting (the two-party engine meets its
+#: peer at a barrier, then removes its session's key directory) before they are ended
+_CLOSE_GRACE = 30.0
 
 
 class PartyError(RuntimeError):
@@ -103,6 +108,9 @@ def _dealer_main(keys_dir: str, out: Any) -> None:
 
 
 def _party_main(rank: int, fn: Callable, args: tuple, kwargs: dict, opts: dict, ports: Any, results: Any) -> None:
+    # ended by the parent (a peer failed, or the grace ran out): still close the session below, so
+    # that the two-party engine's private session key does not stay behind on disk
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     torch.set_num_threads(opts.get("threads", 1))
     party = None
     try:
@@ -203,6 +211,10 @@ def run_parties(
         p0.start()
         procs.append(p0)
         outcomes = _collect(results, timeout, [p0, p1])
+        if all(status == "ok" for status, _ in outcomes.values()):
+            deadline = time.monotonic() + _CLOSE_GRACE
+            for p in (p0, p1):
+                p.join(max(0.0, deadline - time.monotonic()))
     finally:
         for p in procs:
             if p.is_alive():

@@ -15,6 +15,7 @@ channel and a meter, no engine of its own), as ``mpc.session.open_party`` builds
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 import numpy as np
@@ -124,3 +125,17 @@ def test_the_right_certificate_links_and_computes():
     assert sec0 < 20 and sec1 < 20
     got = (bit0.view(np.uint64) + bit1.view(np.uint64)).view(np.int64)
     assert np.array_equal(got, (x >= 0).astype(np.int64))
+
+
+def engine_directory(party):
+    """The engine's private session directory (its key is in there while the session lives)."""
+    return party.engine._dir
+
+
+def test_a_finished_session_leaves_no_key_behind():
+    """The parties close their sessions before ``run_parties`` ends them: each engine's directory,
+    which holds its private session key, is gone when the call returns."""
+    res = run(engine_directory, offline="two-party", timeout=120)
+    dirs = list(res.values)
+    assert all(isinstance(d, str) and "starfish-spu-" in d for d in dirs) and dirs[0] != dirs[1]
+    assert not any(os.path.exists(d) for d in dirs), dirs
