@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mpc.correlations import make_request
 from mpc.crypten_compat import crypten
 
 __all__ = ["MaskedShare", "supported", "open_masks", "matvec", "prefetch_matvec", "squared_norms"]
@@ -90,7 +91,6 @@ def prefetch_matvec(columns: Sequence[Sequence[MaskedShare]]) -> None:
     if not columns:
         return
     size = tuple(columns[0][0].e.shape)
-    from mpc.correlations import make_request
     _, _, provider = _context()
     provider.prefetch_stream([make_request("mask_matvec", tuple(x.index for x in cols), size) for cols in columns])
 

@@ -35,7 +35,7 @@ from torch.distributed import ReduceOp
 
 from mpc.correlations import TABLE_CHUNKS, words_as_tables
 from mpc.crypten_compat import crypten
-from mpc.nonnegative import and_gates
+from mpc.nonnegative import and_gates, nonnegative
 
 __all__ = ["supported", "rows_exceed", "MAX_DROP"]
 
@@ -129,8 +129,7 @@ def rows_exceed(x: np.ndarray, drop: int, d: np.ndarray, d_shared: bool = True) 
     if m == 0:
         return np.zeros(rows, dtype=bool)
     d = np.ascontiguousarray(d, dtype=np.int64)
-    if d_shared:
-        from mpc.nonnegative import nonnegative   # |d|: a sign test and one product, rows values
+    if d_shared:   # |d|: a sign test and one product of rows values
         dm = crypten.mpc.MPCTensor.from_shares(torch.from_numpy(d), precision=0)
         sign = nonnegative(dm) * 2 - 1
         big_d = (dm * sign).share.numpy().astype(np.uint32)
