@@ -16,12 +16,13 @@ A ``cmp_tables`` request yields a random r mod 2**32 (shares: the low 32 bits of
 seed-derived ring element) and, XOR-shared, comparison tables of its 4-bit chunks
 (``comparison_tables``; ``mpc.table_compare`` uses them); only party 1's table share is sent.
 
-A ``mask`` request is a uniform ring tensor a shared from the two seeds alone (the dealer
-sends nothing for it); a ``mask_matvec`` request refers back to masks by their request
+A ``mask`` request is a uniform ring tensor a shared from the two seeds alone (the dealer sends
+only a share of sum(a * a)); a ``mask_matvec`` request refers back to masks by their request
 numbers and yields fresh b and shares of c = sum_k a_k * b_k, which is how one Beaver mask
 serves many products (``mpc.reused_masks``). The dealer rebuilds a mask from the two seeds
-whenever a product names it, so it keeps no secret state, only the numbers and sizes of the
-masks a session asked for (``MaskRegistry``), so that a product can name nothing else.
+when a product names it (keeping recently used ones in a bounded cache for the session), and
+records the numbers and sizes of the masks a session asked for (``MaskRegistry``), so that a
+product can name nothing else.
 
 Each party's share is a uniform ring element given the other party's view, so neither
 server learns the correlated secrets. Requests are plain tuples of ints and strings (no
@@ -355,7 +356,7 @@ def _count(size: tuple[int, ...]) -> int:
 
 
 TABLE_CHUNKS = 8      # 4-bit chunks of the 31 low bits of r (the top chunk has 3 bits)
-TABLE_WORDS = 4       # int64 words per element: one uint32 table per chunk
+TABLE_WORDS = 4       # int64 words per element that carry its 8 uint32 tables
 
 
 def comparison_tables(r: np.ndarray) -> np.ndarray:
