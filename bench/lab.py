@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, help="local batch size (dataset default)")
     g.add_argument("--model", choices=MODEL_NAMES, help="architecture (dataset default)")
     g.add_argument("--l2", type=float, help="L2 regularisation of logreg/mlp (dataset default)")
+    g.add_argument("--image-size", type=int,
+                   help="resize images to this side (bilinear); default: 28 for the CNNs on "
+                        "images smaller than 28 (the digits), else the native size")
     g.add_argument("--partition", choices=("iid", "dirichlet", "label-bias"), default="iid")
     g.add_argument("--q", type=float, default=0.5, help="label-bias probability (0.5)")
     g.add_argument("--concentration", type=float, default=0.5, help="Dirichlet parameter")

@@ -22,7 +22,7 @@ from clients.training import LocalClient
 from protocols.starfish.params import StarfishParams
 from servers.lab.recovery import METHODS
 
-__all__ = ["DATASET_DEFAULTS", "LabConfig", "LabSetup", "build_setup", "starfish_params"]
+__all__ = ["CNN_SIDE", "DATASET_DEFAULTS", "LabConfig", "LabSetup", "build_setup", "image_side", "starfish_params"]
 
 #: Per-dataset defaults. MNIST/F-MNIST/CIFAR-10 follow the paper (SGD lr 0.005, batch 64,
 #: 5 local epochs). For the 1797-image digits (about 67 training images per client) the
@@ -88,6 +88,7 @@ def build_setup(args: argparse.Namespace, say=lambda _msg: None) -> LabSetup:
 
     data = load_dataset(args.dataset, args.data_dir)
     data = data.subset_train(args.train_limit, args.seed).subset_test(args.test_limit, args.seed)
+    data = data.resized(image_side(getattr(args, "image_size", None), cfg.get("model"), data.input_shape))
     parts = partition(args.partition, data.y_train, args.clients, args.seed, q=args.q,
                       concentration=args.concentration, num_classes=data.num_classes)
     factory = build_model(cfg.get("model"), data.input_shape, data.num_classes,
@@ -118,6 +119,20 @@ def build_setup(args: argparse.Namespace, say=lambda _msg: None) -> LabSetup:
     evaluate = Evaluator(factory, data.x_test, data.y_test, tx, ty,
                          None if args.no_backdoor else trigger, args.target_label)
     return LabSetup(targets, methods, cfg, factory, m0, participants, evaluate, trigger)
+
+
+#: The paper CNN's input side (MNIST); smaller images (the 8x8 digits) are enlarged to it.
+CNN_SIDE = 28
+
+
+def image_side(requested: int | None, model: str, input_shape: tuple[int, int, int]) -> int | None:
+    """The side the lab's images are resized to, or None to keep them as they are."""
+    if requested is not None:
+        return requested
+    _c, h, _w = input_shape
+    if model.startswith("cnn") and h < CNN_SIDE:
+        return CNN_SIDE
+    return None
 
 
 def starfish_params(args: argparse.Namespace) -> StarfishParams:

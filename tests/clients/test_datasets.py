@@ -146,3 +146,43 @@ def test_label_bias_split_follows_q():
     frac_home = np.mean(y[group0] == 0)
     # group 0 receives 0.5 of label 0 (1000) and 0.5/9 of each other label (~111 x 9)
     assert abs(frac_home - 1000 / (1000 + 9 * 2000 * 0.5 / 9)) < 0.03
+
+
+def _bilinear_oracle(img: np.ndarray, side: int) -> np.ndarray:
+    """Half-pixel-centred bilinear resampling with edge clamping, written from its definition."""
+    h, w = img.shape
+
+    def taps(n_out: int, n_in: int):
+        src = (np.arange(n_out) + 0.5) * n_in / n_out - 0.5
+        src = np.clip(src, 0.0, None)
+        lo = np.minimum(np.floor(src).astype(int), n_in - 1)
+        hi = np.minimum(lo + 1, n_in - 1)
+        return lo, hi, src - lo
+
+    r0, r1, fr = taps(side, h)
+    c0, c1, fc = taps(side, w)
+    top = img[r0][:, c0] * (1 - fc) + img[r0][:, c1] * fc
+    bottom = img[r1][:, c0] * (1 - fc) + img[r1][:, c1] * fc
+    return top * (1 - fr)[:, None] + bottom * fr[:, None]
+
+
+def test_digits_resized_for_the_cnn_match_bilinear_resampling():
+    from bench.lab_setup import CNN_SIDE, image_side
+
+    ds = load_digits_dataset()
+    big = ds.resized(CNN_SIDE)
+    assert big.input_shape == (1, 28, 28) and len(big.y_train) == len(ds.y_train)
+    assert torch.equal(big.y_test, ds.y_test)
+    for k in (0, 7, 500):
+        want = np.clip(_bilinear_oracle(ds.x_train[k, 0].double().numpy(), 28), 0, 1)
+        np.testing.assert_allclose(big.x_train[k, 0].numpy(), want, atol=1e-6)
+    assert float(big.x_train.min()) >= 0.0 and float(big.x_train.max()) <= 1.0
+    assert ds.resized(None) is ds and ds.resized(8) is ds
+    with pytest.raises(ValueError, match="side"):
+        ds.resized(0)
+    # the CNNs get 28x28 digits by default; other models and explicit sizes are left as asked
+    assert image_side(None, "cnn", ds.input_shape) == 28
+    assert image_side(None, "cnn-extra-fc", ds.input_shape) == 28
+    assert image_side(None, "mlp", ds.input_shape) is None
+    assert image_side(None, "cnn", (1, 28, 28)) is None
+    assert image_side(16, "logreg", ds.input_shape) == 16
