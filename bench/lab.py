@@ -35,16 +35,21 @@ from clients.datasets import DATASET_NAMES
 from clients.models import MODEL_NAMES
 from mpc.channel import LinkProfile
 from protocols.starfish.params import PAPER
+from clients.attacks import ALIE_JITTER, ALIE_Z, SCALE
+from servers.lab.aggregators import (AGGREGATORS, BRACE_LAMBDA, BRACE_SCALE, FEDSECA_BETA, FEDSECA_GAMMA,
+                                     build_aggregator)
 from servers.lab.fl import run_federated
 from servers.lab.metrics import arp, l2_distance
 from servers.lab.recovery import METHODS, CostRecord, FedEraser, FedRecover, RandomSelection, Retrain, Starfish
+from servers.lab.recovery.crab import Crab
+from servers.lab.recovery.fedadp import ADJACENCY, FedADP
 
 from . import progress
-from .lab_setup import build_setup, starfish_params
+from .lab_setup import ATTACK_NAMES, build_setup, starfish_params
 from .report import human_bytes
 from .secure_lab import run_secure_starfish, step_table
 
-__all__ = ["main", "add_arguments", "run", "run_lab", "format_table", "compare_secure",
+__all__ = ["main", "add_arguments", "make_aggregator", "run", "run_lab", "format_table", "compare_secure",
            "SECURE_TOLERANCE", "EXIT_DISAGREE"]
 
 #: ``--secure``: default bound on max |2PC model - plaintext model| over the parameters. The
@@ -83,11 +88,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--poison-fraction", type=float, help="share of target samples poisoned")
     a.add_argument("--boost", type=float,
                    help="scale the targets' updates (dataset default; digits 5)")
+    r = parser.add_argument_group("attacks and robust aggregation (docs/lab.md)")
+    r.add_argument("--aggregator", choices=tuple(AGGREGATORS), default="fedavg",
+                   help="server rule of the FL run and of Retrain (fedavg)")
+    r.add_argument("--attack", choices=ATTACK_NAMES, default="backdoor",
+                   help="what the attackers do (backdoor: the targets' poisoned data)")
+    r.add_argument("--attackers", type=int,
+                   help="clients 0..N-1 attack (default: the targets attack)")
+    r.add_argument("--scale", type=float, default=SCALE,
+                   help=f"scaling attack factor ({SCALE:g}, FedSECA app. D.6)")
+    r.add_argument("--alie-z", type=float, default=ALIE_Z,
+                   help=f"ALIE deviation z_max ({ALIE_Z:g}, FedSECA app. D.2)")
+    r.add_argument("--alie-jitter", type=float, default=ALIE_JITTER,
+                   help=f"ALIE per-attacker jitter of z, uniform +- ({ALIE_JITTER:g})")
+    r.add_argument("--fedseca-gamma", type=float, default=FEDSECA_GAMMA,
+                   help=f"FedSECA sparsification factor ({FEDSECA_GAMMA:g})")
+    r.add_argument("--fedseca-beta", type=float, default=FEDSECA_BETA,
+                   help=f"FedSECA server momentum ({FEDSECA_BETA:g})")
+    r.add_argument("--brace-lambda", type=float, default=BRACE_LAMBDA,
+                   help=f"BRACE vote threshold lambda ({BRACE_LAMBDA:g})")
+    r.add_argument("--brace-scale", type=float, default=BRACE_SCALE,
+                   help=f"BRACE step: direction = scale * sign vote ({BRACE_SCALE:g})")
     u = parser.add_argument_group("unlearning")
     u.add_argument("--method", default="retrain,federaser,fedrecover,starfish,random",
                    help="comma-separated: " + ",".join(METHODS))
-    u.add_argument("--sigma", type=float, default=PAPER.sigma,
-                   help=f"Starfish selection rate ({PAPER.sigma})")
+    u.add_argument("--sigma", type=float,
+                   help=f"Starfish selection rate (the paper's {PAPER.sigma}; 0.8 for the MLP and "
+                        "the CNNs on the digits, see docs/lab.md \"Deep models\")")
     u.add_argument("--alpha", type=float, default=PAPER.alpha,
                    help=f"tolerance rate of delta ({PAPER.alpha})")
     u.add_argument("--beta", type=float, default=PAPER.beta,
@@ -100,6 +127,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="FedRecover abnormality tolerance (global threshold) (0.001)")
     u.add_argument("--fedrecover-final", type=int, default=2, help="FedRecover final tuning")
     u.add_argument("--federaser-interval", type=int, default=2, help="FedEraser interval")
+    u.add_argument("--crab-alpha", type=float, default=0.1,
+                   help="Crab loss reduction that closes a storage window (paper: 0.1)")
+    u.add_argument("--crab-lambda", type=float, default=0.6,
+                   help="Crab share of a window's rounds kept, by KL divergence (paper: 0.6)")
+    u.add_argument("--crab-delta", type=float, default=0.7,
+                   help="Crab share of a kept round's clients kept, by cosine (paper: 0.7)")
+    u.add_argument("--crab-beta", type=float, default=0.3,
+                   help="Crab sensitivity ratio of the adaptive rollback (paper: 0.3)")
+    u.add_argument("--fedadp-lambda", type=float, default=0.6,
+                   help="FedADP global-model selection ratio (paper: 0.6)")
+    u.add_argument("--fedadp-gamma", type=float, default=0.7,
+                   help="FedADP update selection ratio (paper: 0.7)")
+    u.add_argument("--fedadp-beta", type=float, default=0.1,
+                   help="FedADP loss reduction that closes a storage stage (paper: 0.1)")
+    u.add_argument("--fedadp-eps-max", type=float, default=3.0,
+                   help="FedADP maximum per-round budget eps_max (paper: 3.0)")
+    u.add_argument("--fedadp-eps-min", type=float, default=1.0,
+                   help="FedADP minimum per-round budget eps_min (not in the paper; 1.0)")
+    u.add_argument("--fedadp-eps0", type=float,
+                   help="FedADP first-round budget (not in the paper; default eps_min)")
+    u.add_argument("--fedadp-delta", type=float, default=1e-5,
+                   help="FedADP delta of each round and of the reported budget (not in the paper; 1e-5)")
+    u.add_argument("--fedadp-clip", type=float,
+                   help="FedADP clipping norm S (not in the paper; default the median stored ||g||)")
+    u.add_argument("--fedadp-adjacency", choices=tuple(ADJACENCY), default="replace",
+                   help="FedADP accounting: a neighbour replaces a client's record (sensitivity 2S, "
+                        "default) or zeroes the update (S, the paper's calibration)")
+    u.add_argument("--fedadp-no-dp", action="store_true",
+                   help="FedADP without clipping and noise (the paper's 'FedADP without DP')")
     sec = parser.add_argument_group("2PC")
     sec.add_argument("--secure", action="store_true",
                      help="also run Starfish under 2PC (two server processes, TLS, dealer) on the "
@@ -125,9 +181,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "more, and spinning threads stall on a shared machine)")
 
 
+def make_aggregator(args: argparse.Namespace):
+    """The FL run's aggregator from ``--aggregator`` and its parameters."""
+    name = getattr(args, "aggregator", "fedavg")
+    if name == "fedseca":
+        return build_aggregator(name, gamma=args.fedseca_gamma, beta=args.fedseca_beta)
+    if name == "brace-sign":
+        return build_aggregator(name, lam=args.brace_lambda, scale=args.brace_scale)
+    return build_aggregator(name)
+
+
 def _make_method(name: str, args: argparse.Namespace):
     if name == "retrain":
-        return Retrain()
+        return Retrain(aggregator=make_aggregator(args))
     if name == "federaser":
         return FedEraser(interval=args.federaser_interval)
     if name == "fedrecover":
@@ -138,6 +204,14 @@ def _make_method(name: str, args: argparse.Namespace):
         return Starfish(starfish_params(args))
     if name == "random":
         return RandomSelection(starfish_params(args), seed=args.seed)
+    if name == "crab":
+        return Crab(alpha=args.crab_alpha, lam=args.crab_lambda, delta=args.crab_delta,
+                    beta=args.crab_beta)
+    if name == "fedadp":
+        return FedADP(lam=args.fedadp_lambda, gamma=args.fedadp_gamma, beta=args.fedadp_beta,
+                      eps_max=args.fedadp_eps_max, eps_min=args.fedadp_eps_min,
+                      eps0=args.fedadp_eps0, delta=args.fedadp_delta, clip=args.fedadp_clip,
+                      adjacency=args.fedadp_adjacency, dp=not args.fedadp_no_dp, seed=args.seed)
     raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
 
 
@@ -160,8 +234,10 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
     participants, evaluate, m0, trigger = setup.participants, setup.evaluate, setup.m0, setup.trigger
 
     t0 = time.perf_counter()
+    aggregator = make_aggregator(args)
     with progress.progress(args.rounds, "FL", quiet=quiet, unit="round") as bar:
-        history = run_federated(participants, m0, args.rounds, cfg.get("lr"), progress=progress.callback(bar))
+        history = run_federated(participants, m0, args.rounds, cfg.get("lr"),
+                                progress=progress.callback(bar), aggregator=aggregator)
     fl_time = time.perf_counter() - t0
     original = history.model(history.num_rounds)
     rows: list[dict[str, Any]] = [{"method": "original (with target)", **evaluate(original),
@@ -199,8 +275,12 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
     config.update({"model": cfg.get("model"), "lr": cfg.get("lr"), "epochs": cfg.get("epochs"),
                    "batch_size": cfg.get("batch_size"), "l2": cfg.get("l2"),
                    "poison_fraction": cfg.get("poison_fraction"), "boost": cfg.get("boost"),
+                   "sigma": cfg.get("sigma"),
                    "targets": targets,
-                   "num_params": int(m0.numel()), "trigger": vars(trigger)})
+                   "num_params": int(m0.numel()), "trigger": vars(trigger),
+                   # every FL round of this run (and Retrain's) used this rule
+                   "aggregator": {"name": aggregator.name, **aggregator.params()},
+                   "attack": setup.attack, "attackers": list(setup.attackers)})
     result = {"config": config, "results": rows,
               "costs": {k: c.to_json() for k, c in costs.items()}}
     if secure is not None:

@@ -165,3 +165,31 @@ def test_compare_secure_names_every_difference():
         "correction flags differ: step 4: 2PC -, plaintext [1]",
         "models differ: max |2PC - plaintext| = nan > tolerance 0.01",
     ]
+
+
+def test_model_defaults_sit_between_the_command_line_and_the_dataset():
+    import argparse
+
+    from bench.lab import add_arguments
+    from bench.lab_setup import LabConfig, MODEL_DEFAULTS, starfish_params
+    from protocols.starfish.params import PAPER
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def cfg(*argv):
+        return LabConfig(parser.parse_args(list(argv)))
+
+    logreg = cfg()
+    assert (logreg.get("model"), logreg.get("lr"), logreg.get("sigma")) == ("logreg", 0.3, PAPER.sigma)
+    cnn = cfg("--model", "cnn")
+    assert cnn.get("lr") == MODEL_DEFAULTS[("digits", "cnn")]["lr"] != DATASET_DEFAULTS["digits"]["lr"]
+    assert cnn.get("sigma") == 0.8 and cnn.get("batch_size") == DATASET_DEFAULTS["digits"]["batch_size"]
+    assert cfg("--model", "mlp").get("sigma") == 0.8 and cfg("--model", "mlp").get("lr") == 0.3
+    assert cfg("--model", "cnn", "--lr", "0.02", "--sigma", "0.5").get("lr") == 0.02
+    assert starfish_params(parser.parse_args(["--model", "cnn", "--sigma", "0.5"])).sigma == 0.5
+    assert starfish_params(parser.parse_args(["--model", "mlp"])).sigma == 0.8
+    assert starfish_params(parser.parse_args([])).sigma == PAPER.sigma
+    # the MNIST CNN keeps the paper's values: the digits' overrides do not leak to other datasets
+    mnist = cfg("--dataset", "mnist")
+    assert (mnist.get("lr"), mnist.get("sigma")) == (0.005, PAPER.sigma)

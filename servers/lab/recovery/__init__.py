@@ -8,9 +8,13 @@
 * :class:`Starfish` - the paper's scheme on selected rounds (plaintext run of the same
   code the secure servers run).
 * :class:`RandomSelection` - Starfish's replay on randomly chosen rounds.
+* :class:`FedADP` - DP-noised stored updates, dual selection, projection calibration.
+* :class:`Crab` - selective storage, adaptive rollback, norm-calibrated replay of kept rounds.
 """
 
 from .base import ClientPool, CostRecord, RecoveryMethod
+from .crab import Crab
+from .fedadp import FedADP
 from .federaser import FedEraser
 from .fedrecover import FedRecover
 from .retrain import Retrain
@@ -22,7 +26,9 @@ METHODS = {
     "fedrecover": FedRecover,
     "starfish": Starfish,
     "random": RandomSelection,
+    "fedadp": FedADP,
+    "crab": Crab,
 }
 
 __all__ = ["ClientPool", "CostRecord", "RecoveryMethod", "Retrain", "FedEraser",
-           "FedRecover", "Starfish", "RandomSelection", "METHODS"]
+           "FedRecover", "Starfish", "RandomSelection", "FedADP", "Crab", "METHODS"]

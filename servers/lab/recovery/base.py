@@ -79,13 +79,27 @@ class ClientPool:
         self.epochs[client] += float(base if epochs is None else epochs)
         return up
 
+    def request_omniscient(self, client: int, model: torch.Tensor, round_idx: int,
+                           others: Any) -> Any:
+        """Like :meth:`request` for an omniscient attacker shown the others' uploads (the FL loop's hook)."""
+        up = self._clients[client].train_omniscient(model, round_idx, others)
+        self.computations[client] += 1
+        self.epochs[client] += float(getattr(self._clients[client], "epochs", 1.0))
+        return up
+
     def exact(self, client: int, model: torch.Tensor, round_idx: int,
               epochs: float | None = None) -> torch.Tensor:
         """The exact update g of ``client`` on ``model``."""
         return self.request(client, model, round_idx, epochs).update
 
     def participant(self, client: int) -> Participant:
-        """A Participant view of ``client`` whose trainings are counted by this pool."""
+        """A Participant view of ``client`` whose trainings are counted by this pool.
+
+        An omniscient attacker (``train_omniscient``, see ``servers.lab.fl``) keeps its hook
+        through the view, so Retrain's FL faces the same attack as the original run.
+        """
+        if callable(getattr(self._clients[client], "train_omniscient", None)):
+            return _CountedOmniscient(self, client)
         return _CountedParticipant(self, client)
 
     def num_samples(self, client: int) -> int:
@@ -112,6 +126,12 @@ class _CountedParticipant:
 
     def train(self, model_vec: torch.Tensor, round_idx: int, epochs: float | None = None) -> Any:
         return self._pool.request(self.client_id, model_vec, round_idx, epochs)
+
+
+class _CountedOmniscient(_CountedParticipant):
+    def train_omniscient(self, model_vec: torch.Tensor, round_idx: int, others: Any,
+                         epochs: float | None = None) -> Any:
+        return self._pool.request_omniscient(self.client_id, model_vec, round_idx, others)
 
 
 class PoolClients:

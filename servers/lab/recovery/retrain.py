@@ -12,6 +12,11 @@ clients train (FedAvg weights over them), i.e. the FL the deadlines would have p
 the targets; unlearning rounds and rounds of targets only drop out. Under full participation
 that is T rounds of all remaining clients, as before. With ``rounds`` given, all remaining
 clients train in every one of those rounds (no pattern is known beyond the history).
+
+Aggregation: ``aggregator`` (``servers.lab.aggregators``; default None = FedAvg) must be the
+rule the history was made with, so the retrained model is what that FL would have produced
+without the targets; remaining Byzantine clients keep attacking (an omniscient one still sees
+the others' uploads through the pool's counted views).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 
 from protocols.starfish.ports import History, candidate_rounds, present_clients
 
-from ..fl import Participant, ProgressFn, run_federated
+from ..fl import Aggregator, Participant, ProgressFn, run_federated
 from .base import ClientPool, CostRecord, RecoveryMethod, Timer, remaining_clients
 
 __all__ = ["Retrain"]
@@ -31,8 +36,9 @@ __all__ = ["Retrain"]
 class Retrain(RecoveryMethod):
     name = "retrain"
 
-    def __init__(self, rounds: int | None = None) -> None:
+    def __init__(self, rounds: int | None = None, aggregator: Aggregator | None = None) -> None:
         self.rounds = rounds  # default: as many rounds as the history has
+        self.aggregator = aggregator
 
     def unlearn(self, history: History, targets: Sequence[int],
                 participants: Sequence[Participant],
@@ -48,7 +54,8 @@ class Retrain(RecoveryMethod):
         with Timer() as timer:
             wrapped = [pool.participant(j) for j in rest]
             new_hist = run_federated(wrapped, history.model(0), rounds, history.server_lr,
-                                     progress=progress, participation=pattern)
+                                     progress=progress, participation=pattern,
+                                     aggregator=self.aggregator)
         cost.wall_time_s = timer.elapsed
         cost.rounds_used = rounds
         pool.fill(cost)

@@ -1,0 +1,609 @@
+"""Byzantine-robust aggregation on shares: FedSECA (CRISE + RoCA) and BRACE's sign vote.
+
+Both rules are written once over the project's two backends: a K x D matrix ``G`` of the
+round's client updates (one row per client) as a torch tensor runs the plaintext twin (float64),
+as a CrypTen MPCTensor the two-party protocol on the servers' shares. Both papers count every
+client once (unweighted votes and means); the FedAvg weights |D_j| play no part here.
+
+FedSECA (``papers/fedseca.txt`` Sec. 4; the equations are authoritative where the appendix
+pseudocode differs: it clamps the unclipped g and keeps |g| >= lambda where eq. 10 says >)
+------------------------------------------------------------------------------------------
+* CRISE. s_k = sgn(g_k) per coordinate (sgn(0) = 0), omega_kl = <s_k, s_l> / D (eq. 4),
+  rho_k = max(0, mean_l sgn(omega_kl)) (eq. 5, l runs over all K clients, k included), elected
+  sign s^j = sgn(sum_k rho_k sgn(g_k^j)) (eq. 6). We use the integer weights
+  w_k = K rho_k = max(0, sum_l sgn(omega_kl)): a positive factor does not change a sign, and
+  integers keep ties exact (a vote that balances to 0 elects 0) in both backends.
+* VRS gradients. clip (eq. 8): g_hat_k = g_k min(1, tau / ||g_k||), tau = median_k ||g_k||;
+  clamp (eq. 9): g_bar = sgn(g_hat) min(mu^j, |g_hat|), mu^j = median_k |g_hat_k^j|;
+  sparsify (eq. 10): g_ddot_k^j = g_bar_k^j [|g_k^j| > lambda_k] with lambda_k the
+  gamma-quantile of the *raw* |g_k| (default gamma = 0.9, Sec. 5). Medians of an even count
+  are the lower middle (sorted index (K-1)//2, what torch.median returns and the authors' code
+  uses).
+* RoCA (eq. 7). delta_k^j = [s^j g_ddot_k^j > 0] and g_tilde^j = sum_k delta g_ddot /
+  sum_k delta; a coordinate where no client agrees gives 0 (the authors' safe_divide).
+* Server momentum (eq. 11, beta_ra = 0.5) applies to the *opened* aggregate:
+  :func:`momentum`, plaintext.
+
+How it is computed (the same steps on both backends; bits are 0/1 values, exact integers in
+2PC):
+
+1. one comparison call for all K x D entries: [g >= 0], [lambda_k >= g], [g >= -lambda_k]; one
+   zero test [g == 0]. Hence sgn(g), keep+ = [g > lambda_k] and keep- = [g < -lambda_k]
+   (for lambda_k >= 0 their sum is the sparsification bit of eq. 10, split by the sign of g).
+2. CRISE: omega~ = S S^T (S = sgn(G), integers), its signs, w, t = w^T S, s = sgn(t).
+3. agreement: delta+ = [s = +1] keep+, delta- = [s = -1] keep-; delta = delta+ + delta-. This
+   is eq. 7's I(s g_ddot > 0): g_ddot has the sign of g (clipping scales by a positive
+   factor, clamping keeps the sign) and is non-zero exactly where g is kept and mu^j > 0. Where
+   mu^j = 0 every g_ddot^j is 0 and g_tilde^j = 0 with either bit, so the aggregate is the
+   paper's; :func:`fedseca_parts` reports delta as computed here (it may be 1 there).
+4. clipping factors c_k (K values), x_k^j = c_k |g_k^j| = |g_hat_k^j|.
+5. clamped sum without clamp comparisons: a data-independent *partition network* (Batcher's
+   odd-even merge sort, pruned) moves, per coordinate, the K values x^j with their payloads
+   delta s so that position m = (K-1)//2 holds mu^j, the positions below hold values <= mu^j
+   and those above values >= mu^j. Then sum_k delta_k min(mu, x_k) s =
+   sum_{i<m} (delta s)_(i) x_(i) + mu sum_{i>=m} (delta s)_(i): one multiplication.
+6. division by the count n^j = sum_k delta_k in {0..K}: one-hot of n^j by K zero tests, then
+   1/n^j is a public combination of the bits (exact up to 2**-33 relative), 0 for n^j = 0.
+
+Where lambda_k comes from
+-------------------------
+A gamma-quantile of D = 582,026 shared values would need an oblivious sort (or selection) of
+every row, far beyond a round's budget, so on shares ``thresholds`` is required. In a
+deployment each client computes lambda_k on its own *encoded* update (an order statistic of
+the fixed-point values, so it lies on the grid and is exact) and uploads it as a share with
+the update, as Starfish's clients already upload their delta (DESIGN.md 3.2). A Byzantine
+client could lie (lambda = 0 keeps everything, a huge one drops everything), so the servers
+check it with :func:`check_thresholds`, which opens one bit per client and nothing else; a
+client that fails can be left out of the round.
+
+We use the *lower* order statistic lambda_k = v_(f), f = floor(gamma (D - 1)), of the sorted
+|g_k| (torch.quantile(..., interpolation="lower")). The sparsification set {|g| > lambda} is
+then exactly the one of the linearly interpolated quantile of the authors' code
+(torch.quantile's default): that lambda lies in [v_(f), v_(f+1)] and no value lies strictly
+between the two order statistics. The check pins lambda_k = v_(f) exactly (also with ties):
+n_gt = #{|g| > lambda} <= D - 1 - f and n_ge = #{|g| >= lambda} >= D - f hold together iff
+lambda = v_(f), and lambda >= 0 is checked too (a negative lambda would pass the squared test
+below and keep every coordinate).
+
+BRACE (``papers/brace.txt`` eq. 1)
+----------------------------------
+GAR[k] = +1 if sum_i sign(g_i[k]) > lambda else -1 (sign(0) = 0); Sec. 5.1 sets lambda = 5 with
+n = 100 clients. Its ring all-reduce does not apply to two servers; only the rule is computed.
+
+What is opened
+--------------
+``fedseca``, ``fedseca_elected_signs``, ``brace_sign`` open nothing: they return shares, and the
+caller opens the aggregate (one opening of D values, e.g. :func:`protocols.backend.reveal`).
+Opening the FedSECA aggregate reveals, besides g_tilde, which coordinates are 0 (no agreeing
+client, or mu = 0); opening BRACE's vote reveals the vote. Every intermediate (signs,
+weights rho, tau, mu, the bits, the counts) stays shared. ``check_thresholds`` opens one bit per
+client (its threshold is right or not).
+
+Cost per call (2PC, dealer mode), measured per coordinate where it scales with D
+----------------------------------------------------------------------------------
+A comparison is the sign test of ``mpc.nonnegative`` (8 rounds, 75.25 bytes online both
+directions); a zero test is ``mpc.nonnegative.below_power_of_two`` on 2x (8 rounds, 63 AND gates:
+47.75 bytes); a multiplication opens 2 x 8 bytes per party (32 bytes both directions; products
+by bits and integer products need no truncation, fixed-point ones one truncation round of 16
+bytes). C(K) = comparators of the pruned partition network (4 for K=3, 27 for K=10, 84 for
+K=20); C'(K) those of the median-only network (same counts up to K=20).
+
+============================  ======================  ===================  ==================
+step                          comparisons             zero tests           multiplications
+============================  ======================  ===================  ==================
+signs, keep+/-  (fedseca)     3 K D                   K D                  --
+CRISE                         K^2 + K + D             K^2 + D              S S^T, w^T S (3 K D
+                                                                           openings), K
+agreement bits                --                      --                   2 K D
+norms, clip factors           30 K + C'(K) + K        31 K                 K D (squares) + ~40 K
+x = c |g|                     --                      --                   2 K D (+ K D trunc.)
+partition network             C(K) D                  --                   C(K) D (2 values)
+clamped sum                   --                      --                   ((K-1)//2 + 1) D
+division by the count         --                      K D                  D (+ D trunc.)
+brace_sign                    K D + D                 K D                  --
+check_thresholds              2 K D + 3 K             --                   K D (squares) + 2 K
+============================  ======================  ===================  ==================
+
+Rounds do not depend on D: about 390 online rounds for ``fedseca`` at K = 20 (each comparator
+layer of a network is one comparison call + one multiplication, 15 layers at K = 20, twice:
+norms and coordinates), 17 for ``brace_sign``, 20 for ``check_thresholds``. Measured bytes and
+seconds: docs/protocols.md, "Robust aggregation" (``python -m bench.robust_aggregation``).
+
+Fixed-point error (2PC against the twin, inputs on the 2**-16 grid)
+-------------------------------------------------------------------
+Exact (bit for bit): the signs s, the weights w, keep+/-, delta and the counts (all are
+comparisons and integer arithmetic on the encodings), and BRACE's vote. The clip factor c_k is
+computed from the exact ring value of ||g_k||^2 (32 fractional bits): a secret power of four
+brings it into [1, 4) (30 comparisons, one exact product, one truncation), three Newton steps
+give 1/sqrt of it (initial error 8.7%, then 1.2e-2, 2.0e-4, 6e-8), and
+c_k = sqrt(x_med) / sqrt(x_k) 2**(e_med - e_k) is formed at 32 fractional bits; c_k = 1 exactly
+for an unclipped client. Its relative error is below 2**-12 (truncations of the 16-bit Newton
+iterates; measured below 2**-14). Then x = c |g| (one truncation, one unit), the network and the
+clamped sum are exact on those x, and the division adds one unit. So
+|g_tilde_2pc - g_tilde_twin| <= 2 (2**-12 max_k |g_hat_k^j| + 2**-16) + 2**-16 per coordinate
+(median and min are 1-Lipschitz; the mean of values each off by at most e is off by at most
+e). mu^j is exact when no client is clipped (c_k = 1: x = |g| exactly).
+
+Ranges (2PC): |g| < 2**14 (x = c |g| is formed as a 48-bit product), ||g||^2 < 2**30 (its raw
+ring value must stay below 2**62), |lambda| < 2**15 (squared in the check); the upload range
+check (``protocols.upload_range``, |g| < 2**10 by default) implies the first two for D up to
+2**10.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+
+from mpc.nonnegative import below_power_of_two
+
+from . import backend as B
+from .backend import Tensor
+from .compare import compare_exchange, ge, select
+
+__all__ = [
+    "fedseca",
+    "fedseca_parts",
+    "fedseca_elected_signs",
+    "FedsecaParts",
+    "brace_sign",
+    "check_thresholds",
+    "quantile_thresholds",
+    "quantile_rank",
+    "momentum",
+    "partition_network",
+    "median_network",
+    "FEDSECA_GAMMA",
+    "FEDSECA_BETA",
+    "BRACE_LAMBDA",
+]
+
+#: FedSECA Sec. 5: sparsification factor and server momentum, the same on all its datasets.
+FEDSECA_GAMMA = 0.9
+FEDSECA_BETA = 0.5
+#: BRACE Sec. 5.1: lambda = 5 (with n = 100 clients).
+BRACE_LAMBDA = 5.0
+
+# Normalisation of ||g||^2 (ring integer N = sum g_enc^2 < 2**62): bits [N >= 4**j], j = 1..30.
+_POW4 = 30
+# 1/sqrt on [1, 4): minimax linear start (max relative error 8.7%), then Newton steps.
+_RSQRT_A, _RSQRT_B, _RSQRT_STEPS = 1.066, 0.152, 3
+# Fractional bits of the clip factors and of 1/count.
+_HI = 32
+
+
+# --------------------------------------------------------------------------------- networks
+@lru_cache(maxsize=64)
+def _batcher_layers(n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Batcher's odd-even merge sort of n entries, min to the lower index of each pair.
+
+    Padded conceptually to a power of two with +inf sentinels after the n entries: a comparator
+    (i, j), i < j, that reaches a sentinel has it at j (or at both ends) and never moves it, so
+    those comparators are dropped.
+    """
+    size = 1 << max(1, math.ceil(math.log2(max(n, 2))))
+    layers = []
+    p = 1
+    while p < size:
+        k = p
+        while k >= 1:
+            layer = []
+            for j in range(k % p, size - k, 2 * k):
+                for i in range(min(k, size - j - k)):
+                    if (i + j) // (2 * p) == (i + j + k) // (2 * p):
+                        a, b = i + j, i + j + k
+                        if b < n:
+                            layer.append((a, b))
+            if layer:
+                layers.append(tuple(layer))
+            k //= 2
+        p *= 2
+    return tuple(layers)
+
+
+@lru_cache(maxsize=64)
+def median_network(n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Layers of comparators after which position (n-1)//2 holds the lower median.
+
+    Batcher's sorting network with every comparator removed whose outputs cannot reach that
+    position (a backward pass). Data-independent: the layers depend on n only.
+    """
+    need = {(n - 1) // 2}
+    kept = []
+    for layer in reversed(_batcher_layers(n)):
+        keep = tuple(c for c in layer if c[0] in need or c[1] in need)
+        for i, j in keep:
+            need.update((i, j))
+        if keep:
+            kept.append(keep)
+    return tuple(reversed(kept))
+
+
+@lru_cache(maxsize=64)
+def partition_network(n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Layers after which position m = (n-1)//2 holds the lower median, positions < m values
+    <= it and positions > m values >= it.
+
+    From Batcher's sorting network, repeatedly drop a comparator that is the last one on both of
+    its wires when both lie below m or both above m: it only reorders values inside one group,
+    and nothing after it looks at them. What is left keeps the groups (as multisets) and the
+    median of the full sort.
+    """
+    m = (n - 1) // 2
+
+    def group(i: int) -> int:
+        return (i > m) - (i < m)
+
+    layers = [list(layer) for layer in _batcher_layers(n)]
+    changed = True
+    while changed:
+        changed = False
+        for li in range(len(layers) - 1, -1, -1):
+            for c in list(layers[li]):
+                i, j = c
+                if group(i) != group(j) or group(i) == 0:
+                    continue
+                later = any(i in p or j in p for layer in layers[li + 1:] for p in layer)
+                if not later:
+                    layers[li].remove(c)
+                    changed = True
+    return tuple(tuple(layer) for layer in layers if layer)
+
+
+def _run_network(layers, keys: list, payloads: Sequence[list] = ()) -> tuple[list, list]:
+    """Apply comparator layers to rows: ``keys[i]`` are tensors of one shape, payload rows move
+    with their keys. Per layer one comparison call and one exchange multiplication.
+
+    Shared components are relabelled to one fixed-point label (ring integers unchanged) so that
+    the exchange, which stacks all components, does not rescale integers or bits: the exchange
+    is exact integer arithmetic on the ring whatever the label says.
+    """
+    keys = list(keys)
+    pays = [list(p) for p in payloads]
+    bits = {}
+    if any(B.is_shared(k) for k in keys):
+        F = B.frac_bits()
+        bits = {"k": B.bits_of(keys[0]), "p": [B.bits_of(p[0]) for p in pays]}
+        keys = [B.relabel(k, F) for k in keys]
+        pays = [[B.relabel(v, F) for v in p] for p in pays]
+    for layer in layers:
+        lo = [i for i, _ in layer]
+        hi = [j for _, j in layer]
+        a = B.stack([keys[i] for i in lo])
+        b = B.stack([keys[j] for j in hi])
+        swap = 1 - ge(b, a)  # the larger value moves up
+        pa = [B.stack([p[i] for i in lo]) for p in pays]
+        pb = [B.stack([p[j] for j in hi]) for p in pays]
+        na, nb = compare_exchange(swap, [a] + pa, [b] + pb)
+        for idx, (i, j) in enumerate(layer):
+            keys[i], keys[j] = na[0][idx], nb[0][idx]
+            for c, p in enumerate(pays):
+                p[i], p[j] = na[c + 1][idx], nb[c + 1][idx]
+    if bits:
+        keys = [B.relabel(k, bits["k"]) for k in keys]
+        pays = [[B.relabel(v, pb) for v in p] for p, pb in zip(pays, bits["p"])]
+    return keys, pays
+
+
+# ------------------------------------------------------------------------------ small pieces
+def _f64(x: Any) -> torch.Tensor:
+    return torch.as_tensor(x).to(torch.float64)
+
+
+def _is_zero(x: Tensor) -> Tensor:
+    """[x == 0] as a bit. 2PC: 2x < 2 read unsigned, i.e. 2x = 0 in the ring, i.e. x = 0 (or
+    x = 2**63, outside every range): one ``below_power_of_two`` test (63 AND gates)."""
+    if not B.is_shared(x):
+        return (_f64(x) == 0).to(torch.float64)
+    return below_power_of_two(B.relabel(x, 0) * 2, 1)
+
+
+def _sign(x: Tensor) -> Tensor:
+    """sgn(x) in {-1, 0, 1} (sgn(0) = 0): one comparison and one zero test."""
+    return ge(x, 0) * 2 - 1 - _is_zero(x)
+
+
+def _rows(x: Tensor) -> list:
+    return [x[i] for i in range(int(x.shape[0]))]
+
+
+def quantile_rank(D: int, gamma: float) -> int:
+    """f = floor(gamma (D - 1)): lambda_k is the f-th smallest |g_k^j| (0-based)."""
+    return int(math.floor(gamma * (D - 1)))
+
+
+def quantile_thresholds(G: torch.Tensor, gamma: float = FEDSECA_GAMMA) -> torch.Tensor:
+    """Plaintext lambda_k = v_(f) of the sorted |g_k| (torch.quantile, interpolation "lower").
+
+    What an honest client computes on its own encoded update before uploading it.
+    """
+    G = _f64(G)
+    _check_matrix(G)
+    _check_gamma(gamma)
+    K, D = G.shape
+    if D == 0:
+        return torch.zeros(K, dtype=torch.float64)
+    f = quantile_rank(D, gamma)
+    return torch.kthvalue(G.abs(), f + 1, dim=1).values
+
+
+def _check_matrix(G: Any) -> None:
+    if len(tuple(G.shape)) != 2:
+        raise ValueError(f"G must be a K x D matrix (one row per client), got shape {tuple(G.shape)}")
+    if int(G.shape[0]) < 1:
+        raise ValueError("G needs at least one client (row)")
+
+
+def _check_gamma(gamma: float) -> None:
+    if not (isinstance(gamma, (int, float)) and 0.0 <= float(gamma) <= 1.0):
+        raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
+
+
+def _prepare(G: Tensor) -> Tensor:
+    _check_matrix(G)
+    return G if B.is_shared(G) else _f64(G)
+
+
+def _thresholds_column(G: Tensor, thresholds: Optional[Tensor], gamma: float) -> Tensor:
+    K = int(G.shape[0])
+    if thresholds is None:
+        if B.is_shared(G):
+            raise ValueError("on shares FedSECA needs thresholds (lambda_k, one per client): a "
+                             "quantile of D shared values is too costly; clients upload theirs "
+                             "and the servers verify them with check_thresholds")
+        return quantile_thresholds(G, gamma).unsqueeze(1)
+    if tuple(thresholds.shape) != (K,):
+        raise ValueError(f"thresholds must have shape ({K},), got {tuple(thresholds.shape)}")
+    return thresholds.unsqueeze(1) if B.is_shared(thresholds) else _f64(thresholds).unsqueeze(1)
+
+
+# --------------------------------------------------------------------------------- clipping
+def _rsqrt_unit(x: Tensor) -> Tensor:
+    """1/sqrt(x) for x in [1, 4) (16 fractional bits): linear start, three Newton steps."""
+    y = x * (-_RSQRT_B) + _RSQRT_A
+    half = x * 0.5
+    for _ in range(_RSQRT_STEPS):
+        y = y * (1.5 - half * y.square())
+    return y
+
+
+def _clip_factors(G: Tensor) -> Tensor:
+    """c_k = min(1, tau / ||g_k||), tau the lower median of the norms (c_k = 1 for g_k = 0).
+
+    Twin: float64. 2PC: a sharing at 32 fractional bits (module docstring, "Fixed-point error").
+    """
+    K = int(G.shape[0])
+    m = (K - 1) // 2
+    if not B.is_shared(G):
+        n = G.pow(2).sum(1).sqrt()
+        tau = torch.sort(n).values[m]
+        return torch.where(n > tau, tau / torch.where(n > 0, n, torch.ones_like(n)),
+                           torch.ones_like(n))
+    # N_k = sum_j g_enc^2: the exact ring value of ||g_k||^2 at 32 fractional bits
+    N = B.relabel(B.raw_square(G).sum(1), 0)
+    bits = ge(N.unsqueeze(1), torch.pow(4.0, torch.arange(1, _POW4 + 1, dtype=torch.float64)))
+    e = bits.sum(1)  # 4**e <= N < 4**(e+1)
+    # 4**(30-e) = 4**30 - sum_j [N >= 4**j] 3 4**(30-j): a public integer combination (telescoping)
+    steps = torch.tensor([3 * 4 ** (_POW4 - j) for j in range(1, _POW4 + 1)], dtype=torch.long)
+    shift = (bits * steps).sum(1) * -1 + (4 ** _POW4)
+    # N 4**(30-e) in [2**60, 2**62): exact ring product; read at 60 bits it is x = N 4**-e in [1, 4)
+    x = B.rescale(B.relabel(N * shift, 2 * _POW4), B.frac_bits())
+    y = _rsqrt_unit(x)                     # 1 / sqrt(x)
+    root = x * y                           # sqrt(x) in [1, 2): ||g|| = sqrt(x) 2**(e - 16)
+    keys, (roots, exps) = _run_network(median_network(K), _rows(N.unsqueeze(1)),
+                                       [_rows(root.unsqueeze(1)), _rows(e.unsqueeze(1))])
+    n_med, root_med, e_med = keys[m], roots[m], exps[m]
+    clipped = 1 - ge(n_med, N)             # [||g_k|| > tau], exact on the ring values
+    # 2**(e_med - e_k) for the clipped (e_med - e_k in -30..0): one-hot by zero tests, 32 bits
+    d = (e_med - e).unsqueeze(1) + torch.arange(0, _POW4 + 1, dtype=torch.long)
+    pow2 = (_is_zero(d) * torch.tensor([1 << (_HI - i) for i in range(_POW4 + 1)],
+                                       dtype=torch.long)).sum(1)
+    ratio = root_med * y                   # sqrt(x_med) / sqrt(x_k), 16 bits
+    c = B.rescale(B.relabel(B.relabel(ratio, 0) * pow2, B.frac_bits() + _HI), _HI)
+    return select(clipped, c, 1.0)
+
+
+def _scale_rows(c: Tensor, absg: Tensor) -> Tensor:
+    """x_k^j = c_k |g_k^j| (2PC: a 48-bit product truncated once to 16 bits)."""
+    if not B.is_shared(absg) and not B.is_shared(c):
+        return c.unsqueeze(1) * absg
+    raw = B.relabel(c, 0).unsqueeze(1) * B.relabel(absg, 0)
+    return B.rescale(B.relabel(raw, B.bits_of(c) + B.bits_of(absg)), B.frac_bits())
+
+
+def _clamped_sum(x: Tensor, signed: Tensor) -> tuple[Tensor, Tensor]:
+    """(sum_k signed_k min(mu, x_k), mu) per column, mu the lower median of the column of x.
+
+    2PC: the partition network carries ``signed`` with its key; below position m the value
+    itself counts, from m up mu. The twin sorts (any arrangement of ties gives the same sum).
+    """
+    K = int(x.shape[0])
+    m = (K - 1) // 2
+    if not B.any_shared(x, signed):
+        xs, order = torch.sort(x, dim=0, stable=True)
+        ds = signed.gather(0, order)
+        return (ds[:m] * xs[:m]).sum(0) + xs[m] * ds[m:].sum(0), xs[m]
+    xs, (ds,) = _run_network(partition_network(K), _rows(x), [_rows(signed)])
+    upper = ds[m]
+    for i in range(m + 1, K):
+        upper = upper + ds[i]
+    num = (B.stack(ds[:m] + [upper]) * B.stack(xs[:m + 1])).sum(0)
+    return num, xs[m]
+
+
+def _divide_by_count(num: Tensor, count: Tensor, K: int) -> Tensor:
+    """num / count for integer counts in 0..K (0 where count = 0)."""
+    if not B.is_shared(num) and not B.is_shared(count):
+        safe = torch.where(count > 0, count, torch.ones_like(count))
+        return torch.where(count > 0, num / safe, torch.zeros_like(num))
+    js = torch.arange(1, K + 1, dtype=torch.long).unsqueeze(1)
+    onehot = _is_zero(count.unsqueeze(0) - js)              # [count == j], (K, D)
+    weights = torch.tensor([round(2.0 ** _HI / j) for j in range(1, K + 1)],
+                           dtype=torch.long).unsqueeze(1)
+    inv = (onehot * weights).sum(0)                          # 1/count at 32 bits (ring integers)
+    raw = B.relabel(num, 0) * inv
+    return B.rescale(B.relabel(raw, B.bits_of(num) + _HI), B.frac_bits())
+
+
+# ---------------------------------------------------------------------------------- FedSECA
+class FedsecaParts(NamedTuple):
+    """Every intermediate of one FedSECA aggregation (shares on the 2PC backend).
+
+    aggregate: g_tilde (D,); signs: s (D,) in {-1,0,1}; weights: K rho_k (K,) integers;
+    keep: [|g_k^j| > lambda_k] (K, D); agree: delta (K, D) (see the module docstring, step 3);
+    count: sum_k delta (D,); clip: c_k (K,); clamp: mu^j (D,); thresholds: lambda_k (K,).
+    """
+
+    aggregate: Tensor
+    signs: Tensor
+    weights: Tensor
+    keep: Tensor
+    agree: Tensor
+    count: Tensor
+    clip: Tensor
+    clamp: Tensor
+    thresholds: Tensor
+
+
+def _signs_and_keeps(G: Tensor, lam: Tensor):
+    """One comparison call: [g >= 0], [lambda >= g], [g >= -lambda]; one zero test."""
+    K = int(G.shape[0])
+    bits = ge(B.cat([G, (-G) + lam, G + lam]), 0)
+    nonneg, not_above, not_below = bits[:K], bits[K:2 * K], bits[2 * K:]
+    zero = _is_zero(G)
+    S = nonneg * 2 - 1 - zero
+    return nonneg, S, 1 - not_above, 1 - not_below
+
+
+def _crise(S: Tensor):
+    """(weights w = K rho, [s = +1], [s = -1]) from the sign matrix S (K x D integers)."""
+    omega = S.matmul(S.t()) if B.is_shared(S) else S @ S.T
+    v = _sign(omega).sum(1)
+    w = ge(v, 0) * v
+    t = w.unsqueeze(0).matmul(S).squeeze(0) if B.is_shared(S) else w @ S
+    pos = ge(t, 0)
+    zero = _is_zero(t)
+    return w, pos - zero, 1 - pos
+
+
+def fedseca_parts(G: Tensor, *, gamma: float = FEDSECA_GAMMA,
+                  thresholds: Optional[Tensor] = None) -> FedsecaParts:
+    """FedSECA on the K x D update matrix ``G``, with every intermediate (for tests and
+    inspection; opening them in 2PC would leak, :func:`fedseca` returns the aggregate only)."""
+    _check_gamma(gamma)
+    G = _prepare(G)
+    K, D = int(G.shape[0]), int(G.shape[1])
+    lam = _thresholds_column(G, thresholds, gamma)
+    if D == 0:
+        empty = torch.zeros(0, dtype=torch.float64)
+        z2 = torch.zeros(K, 0, dtype=torch.float64)
+        ones = torch.ones(K, dtype=torch.float64)
+        return FedsecaParts(empty, empty, torch.zeros(K, dtype=torch.float64), z2, z2, empty,
+                            ones, empty, lam.reshape(K))
+    nonneg, S, keep_pos, keep_neg = _signs_and_keeps(G, lam)
+    w, s_pos, s_neg = _crise(S)
+    agree_pm = B.stack([keep_pos, keep_neg]) * B.stack([s_pos, s_neg]).unsqueeze(1)
+    agree = agree_pm[0] + agree_pm[1]
+    signed = agree_pm[0] - agree_pm[1]          # delta s
+    count = agree.sum(0)
+    absg = (nonneg * 2 - 1) * G
+    c = _clip_factors(G)
+    x = _scale_rows(c, absg)
+    num, mu = _clamped_sum(x, signed)
+    agg = _divide_by_count(num, count, K)
+    return FedsecaParts(agg, s_pos - s_neg, w, keep_pos + keep_neg, agree, count, c, mu,
+                        lam.reshape(K))
+
+
+def fedseca(G: Tensor, *, gamma: float = FEDSECA_GAMMA,
+            thresholds: Optional[Tensor] = None) -> Tensor:
+    """FedSECA's aggregate g_tilde (eq. 7 on the VRS gradients), a D-vector.
+
+    ``G``: K x D updates (torch tensor: plaintext twin in float64; MPCTensor: shares, result
+    shared, nothing opened). ``gamma``: sparsification factor (default 0.9). ``thresholds``:
+    lambda_k per client (shared or public); None computes them in the clear (plaintext only).
+    Unweighted, as in the paper. Server momentum is not applied (see :func:`momentum`).
+    """
+    return fedseca_parts(G, gamma=gamma, thresholds=thresholds).aggregate
+
+
+def fedseca_elected_signs(G: Tensor) -> Tensor:
+    """CRISE's elected signs s (eq. 6), a D-vector in {-1, 0, 1} (shared on shares)."""
+    G = _prepare(G)
+    if int(G.shape[1]) == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    _, s_pos, s_neg = _crise(_sign(G))
+    return s_pos - s_neg
+
+
+def momentum(prev: Optional[torch.Tensor], agg: torch.Tensor,
+             beta: float = FEDSECA_BETA) -> torch.Tensor:
+    """Server momentum (eq. 11): beta prev + (1 - beta) agg, on the opened aggregate.
+
+    ``prev`` None means the first round (a zero buffer, as in the authors' code).
+    """
+    if not (isinstance(beta, (int, float)) and 0.0 <= float(beta) <= 1.0):
+        raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
+    agg = _f64(agg)
+    if prev is None:
+        return (1.0 - beta) * agg
+    prev = _f64(prev)
+    if prev.shape != agg.shape:
+        raise ValueError(f"momentum buffer shape {tuple(prev.shape)} != aggregate shape {tuple(agg.shape)}")
+    return beta * prev + (1.0 - beta) * agg
+
+
+# ------------------------------------------------------------------------------------ BRACE
+def brace_sign(G: Tensor, *, lam: float = BRACE_LAMBDA) -> Tensor:
+    """BRACE's GAR (eq. 1): +1 where sum_k sgn(g_k^j) > lam, else -1 (a D-vector).
+
+    Shares in, shares out (integers at scale 1; open with :func:`protocols.backend.reveal`).
+    The vote sum is an integer, so it is compared with floor(lam) exactly.
+    """
+    if not (isinstance(lam, (int, float)) and math.isfinite(float(lam))):
+        raise ValueError(f"lam must be a finite number, got {lam!r}")
+    G = _prepare(G)
+    if int(G.shape[1]) == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    total = _sign(G).sum(0)
+    up = 1 - ge(math.floor(float(lam)), total)
+    return up * 2 - 1
+
+
+# ------------------------------------------------------------------------ threshold check
+def check_thresholds(G: Tensor, thresholds: Tensor, gamma: float = FEDSECA_GAMMA) -> torch.Tensor:
+    """Public bool per client: is lambda_k exactly the order statistic v_(f) of |g_k|?
+
+    f = floor(gamma (D - 1)) (:func:`quantile_rank`). True iff lambda_k >= 0,
+    #{j: |g_k^j| > lambda_k} <= D - 1 - f and #{j: |g_k^j| >= lambda_k} >= D - f. 2PC: one
+    square round (g and lambda, untruncated: exact on the encodings), one comparison call for
+    the 2 K D coordinate tests, one for the 3 K per-client tests, two AND rounds, one opening
+    of K bits, nothing else. D = 0: every claim passes (nothing to sparsify).
+    """
+    _check_gamma(gamma)
+    G = _prepare(G)
+    K, D = int(G.shape[0]), int(G.shape[1])
+    if tuple(thresholds.shape) != (K,):
+        raise ValueError(f"thresholds must have shape ({K},), got {tuple(thresholds.shape)}")
+    if D == 0:
+        return torch.ones(K, dtype=torch.bool)
+    f = quantile_rank(D, gamma)
+    if not B.any_shared(G, thresholds):
+        lam = _f64(thresholds)
+        a = G.abs()
+        n_gt = (a > lam.unsqueeze(1)).sum(1)
+        n_ge = (a >= lam.unsqueeze(1)).sum(1)
+        return (lam >= 0) & (n_gt <= D - 1 - f) & (n_ge >= D - f)
+    lam = B.to_shared_like(thresholds if B.is_shared(thresholds) else _f64(thresholds))
+    G = B.to_shared_like(G)
+    sq = B.raw_square(B.cat([G, lam.unsqueeze(1)], dim=1))
+    g2, l2 = sq[:, :D], sq[:, D:]
+    bits = ge(B.cat([l2.expand(K, D), g2]), B.cat([g2, l2.expand(K, D)]))
+    n_gt = D - bits[:K].sum(1)               # not [lambda^2 >= g^2]
+    n_ge = bits[K:].sum(1)
+    tests = ge(B.cat([(D - 1 - f) - n_gt, n_ge - (D - f), B.relabel(lam, 0)]), 0)
+    ok = tests[:K] * tests[K:2 * K] * tests[2 * K:]
+    return B.reveal(ok).to(torch.bool)
