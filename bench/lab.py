@@ -36,10 +36,10 @@ from clients.models import MODEL_NAMES
 from mpc.channel import LinkProfile
 from protocols.starfish.params import PAPER
 from clients.attacks import ALIE_JITTER, ALIE_Z, SCALE
-from servers.lab.aggregators import (AGGREGATORS, BRACE_LAMBDA, BRACE_SCALE, FEDSECA_BETA, FEDSECA_GAMMA,
-                                     build_aggregator)
+from servers.lab.aggregators import (AGGREGATORS, BRACE_DECAY, BRACE_LAMBDA, BRACE_SCALE, FEDSECA_BETA,
+                                     FEDSECA_GAMMA, build_aggregator)
 from servers.lab.fl import run_federated
-from servers.lab.metrics import arp, l2_distance
+from servers.lab.metrics import arp, l2_distance, stored_history
 from servers.lab.recovery import METHODS, CostRecord, FedEraser, FedRecover, RandomSelection, Retrain, Starfish
 from servers.lab.recovery.crab import Crab
 from servers.lab.recovery.fedadp import ADJACENCY, FedADP
@@ -108,9 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--brace-lambda", type=float, default=BRACE_LAMBDA,
                    help=f"BRACE vote threshold lambda ({BRACE_LAMBDA:g})")
     r.add_argument("--brace-scale", type=float, default=BRACE_SCALE,
-                   help=f"BRACE step: direction = scale * sign vote ({BRACE_SCALE:g})")
+                   help=f"BRACE step: direction of round t = scale / t^decay * sign vote ({BRACE_SCALE:g})")
+    r.add_argument("--brace-decay", type=float, default=BRACE_DECAY,
+                   help=f"BRACE step decay exponent, 0 = the paper's fixed step ({BRACE_DECAY:g})")
     u = parser.add_argument_group("unlearning")
-    u.add_argument("--method", default="retrain,federaser,fedrecover,starfish,random",
+    u.add_argument("--method", default="retrain,federaser,fedrecover,crab,fedadp,starfish,random",
                    help="comma-separated: " + ",".join(METHODS))
     u.add_argument("--sigma", type=float,
                    help=f"Starfish selection rate (the paper's {PAPER.sigma}; 0.8 for the MLP and "
@@ -187,7 +189,8 @@ def make_aggregator(args: argparse.Namespace):
     if name == "fedseca":
         return build_aggregator(name, gamma=args.fedseca_gamma, beta=args.fedseca_beta)
     if name == "brace-sign":
-        return build_aggregator(name, lam=args.brace_lambda, scale=args.brace_scale)
+        return build_aggregator(name, lam=args.brace_lambda, scale=args.brace_scale,
+                                decay=args.brace_decay)
     return build_aggregator(name)
 
 
@@ -269,6 +272,8 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
             "arp": arp(cost), "wall_time_s": cost.wall_time_s, "rounds_used": cost.rounds_used,
             "client_computations_mean": cost.total_client_computations() / n,
             "l2_to_retrain": None if retrained is None else l2_distance(models[name], retrained),
+            "stored": stored_history(cost, history),
+            "epsilon": cost.extra.get("epsilon") if name == "fedadp" else None,
         })
     config = {k: (v if not isinstance(v, Path) else str(v)) for k, v in vars(args).items()
               if k not in ("func",)}
@@ -368,10 +373,17 @@ def _fmt(v: Any, pct: bool = False, digits: int = 2) -> str:
     return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
+def _stored(s: dict[str, int] | None) -> str:
+    """Bytes kept of the history, with the rounds and updates they hold."""
+    if s is None:
+        return "-"
+    return f"{human_bytes(s['bytes'])} ({s['rounds']} rounds, {s['updates']} updates)"
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Plain-text table: one line per method, percentages for the rates."""
     header = ["method", "TER%", "BA-ASR%", "MIA-ASR%", "ARP%", "client trainings",
-              "rounds", "L2 to retrain", "time s"]
+              "rounds", "L2 to retrain", "time s", "stored", "DP eps"]
     body = []
     for r in rows:
         body.append([
@@ -380,6 +392,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             "-" if r.get("arp") is None else f"{r['arp']:.1f}",
             _fmt(r.get("client_computations_mean"), digits=1), str(r.get("rounds_used", "-")),
             _fmt(r.get("l2_to_retrain"), digits=4), _fmt(r.get("wall_time_s"), digits=1),
+            _stored(r.get("stored")), _fmt(r.get("epsilon"), digits=1),
         ])
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),

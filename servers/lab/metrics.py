@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from protocols.starfish.ports import History
+
+from .crab_storage import full_history_bytes
 from .recovery.base import CostRecord
 
-__all__ = ["arp", "l2_distance", "cost_summary"]
+__all__ = ["arp", "l2_distance", "cost_summary", "stored_history"]
 
 
 def arp(cost: CostRecord) -> float:
@@ -40,3 +43,12 @@ def cost_summary(cost: CostRecord) -> dict[str, float]:
         "client_epochs_mean": sum(cost.client_epochs.values()) / n,
         "estimated_updates": float(cost.estimated_updates),
     }
+
+
+def stored_history(cost: CostRecord, history: History) -> dict[str, int]:
+    """What of the FL history a method relied on (float32 models and updates, see CostRecord)."""
+    if cost.stored is not None:
+        return dict(cost.stored)
+    updates = sum(len(history.participants(i)) for i in range(1, history.num_rounds + 1))
+    return {"rounds": history.num_rounds, "updates": updates, "models": history.num_rounds + 1,
+            "bytes": full_history_bytes(history)}

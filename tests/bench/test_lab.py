@@ -193,3 +193,29 @@ def test_model_defaults_sit_between_the_command_line_and_the_dataset():
     # the MNIST CNN keeps the paper's values: the digits' overrides do not leak to other datasets
     mnist = cfg("--dataset", "mnist")
     assert (mnist.get("lr"), mnist.get("sigma")) == (0.005, PAPER.sigma)
+
+
+def test_lab_reports_what_each_method_keeps_of_the_history(tmp_path, capsys):
+    out = tmp_path / "out"
+    clients, rounds = 5, 6
+    rc = main(["--dataset", "digits", "--clients", str(clients), "--rounds", str(rounds),
+               "--epochs", "1", "--train-limit", "300", "--test-limit", "120", "--targets", "0",
+               "--method", "retrain,crab,fedadp,starfish", "--out", str(out), "--quiet"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "stored" in table and "DP eps" in table
+    result = json.loads((out / "lab.json").read_text())
+    rows = {r["method"]: r for r in result["results"]}
+    m = result["config"]["num_params"]
+    # the whole recorded history: T + 1 float32 models and every client's update of every round
+    full = 4 * m * (rounds + 1 + rounds * clients)
+    assert rows["starfish"]["stored"] == {"rounds": rounds, "updates": rounds * clients,
+                                          "models": rounds + 1, "bytes": full}
+    assert rows["retrain"]["stored"]["bytes"] == 0
+    for name in ("crab", "fedadp"):
+        s = rows[name]["stored"]
+        assert s["bytes"] == 4 * m * (s["updates"] + s["models"]) and 0 < s["bytes"] <= full
+        assert s["rounds"] <= rounds and s["updates"] <= rounds * clients
+    eps = rows["fedadp"]["epsilon"]
+    assert eps == result["costs"]["fedadp"]["extra"]["epsilon"] and eps > 0
+    assert rows["starfish"]["epsilon"] is None

@@ -42,6 +42,10 @@ class CostRecord:
     selected_rounds: list[int] = field(default_factory=list)
     correction_steps: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: What the method needs the server to have kept of the FL history: ``{"rounds", "updates",
+    #: "models", "bytes"}``. None: the whole recorded history (FedEraser, FedRecover, Starfish);
+    #: methods that keep less (Crab, FedADP) or nothing (retraining) say so.
+    stored: dict[str, int] | None = None
 
     def total_client_computations(self) -> int:
         return sum(self.client_computations.values())

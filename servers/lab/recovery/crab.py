@@ -212,6 +212,8 @@ class Crab(RecoveryMethod):
         cost.rounds_used = len(replayed)
         cost.selected_rounds = replayed
         cost.extra.update(self._extra(storage, roll, storage_timer.elapsed))
+        cost.stored = {"rounds": len(storage.kept_rounds), "updates": storage.stored_updates,
+                       "models": len(storage.stored_models), "bytes": storage.stored_bytes}
         pool.fill(cost)
         return model.to(out_dtype), cost
 

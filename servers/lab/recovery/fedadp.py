@@ -339,6 +339,11 @@ class FedADP(RecoveryMethod):
             "stored_update_count": sum(len(v) for v in kept.values()),
             "losses": {t: loss[t] for t in models}, "stage1_time_s": stage1_time,
         })
+        # the noised updates of the stored rounds, their models and M_0 (where Alg. 2 starts)
+        n_updates = sum(len(v) for v in kept.values())
+        n_models = len(stored) + 1
+        cost.stored = {"rounds": len(stored), "updates": n_updates, "models": n_models,
+                       "bytes": 4 * model.numel() * (n_updates + n_models)}
         pool.fill(cost)
         return model.to(m0_dtype), cost
 

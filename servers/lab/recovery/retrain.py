@@ -58,5 +58,6 @@ class Retrain(RecoveryMethod):
                                      aggregator=self.aggregator)
         cost.wall_time_s = timer.elapsed
         cost.rounds_used = rounds
+        cost.stored = {"rounds": 0, "updates": 0, "models": 0, "bytes": 0}
         pool.fill(cost)
         return new_hist.model(new_hist.num_rounds), cost
