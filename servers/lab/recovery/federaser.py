@@ -79,5 +79,10 @@ class FedEraser(RecoveryMethod):
                     progress(step, len(rounds), f"round {t}")
         cost.wall_time_s = timer.elapsed
         cost.rounds_used = len(rounds)
+        # FedEraser keeps only the calibrated rounds' updates (of every participant: who will
+        # be forgotten is unknown while storing) and starts from M_0
+        n_updates = sum(len(history.participants(t)) for t in rounds)
+        cost.stored = {"rounds": len(rounds), "updates": n_updates, "models": 1,
+                       "bytes": 4 * model.numel() * (n_updates + 1)}
         pool.fill(cost)
         return model.to(history.model(0).dtype), cost

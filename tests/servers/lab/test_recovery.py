@@ -218,3 +218,18 @@ def test_npz_history_roundtrip(tmp_path):
         mem.append_round(RoundRecord(mem.model(2), (0,), {0: 0.5}, {0: mem.update(1, 0)},
                                      {0: torch.tensor(1.0)}, {0: torch.tensor(1.0)}))
     assert isinstance(mem, InMemoryHistory)
+
+
+def test_federaser_keeps_only_the_rounds_it_calibrates():
+    hist = InMemoryHistory(torch.zeros(3), 0.5)
+    for i in range(1, 6):
+        hist.append_round(RoundRecord(model=torch.full((3,), float(i)), participants=(0, 1, 2),
+                                      weights={0: 1 / 3, 1: 1 / 3, 2: 1 / 3},
+                                      updates={j: torch.ones(3) * (j + i) for j in range(3)},
+                                      norms={j: torch.tensor(1.0) for j in range(3)},
+                                      deltas={j: torch.tensor(0.5) for j in range(3)}))
+    clients = [quad_client(j, [0.0, 0.0, 0.0]) for j in range(3)]
+    _model, cost = FedEraser(interval=2).unlearn(hist, [0], clients)
+    # rounds 1, 3, 5 with all three participants' updates, plus M_0: 10 float32 vectors of 3
+    assert cost.selected_rounds == [1, 3, 5]
+    assert cost.stored == {"rounds": 3, "updates": 9, "models": 1, "bytes": 4 * 3 * 10}
