@@ -31,13 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from clients.attacks import ALIE_JITTER, ALIE_Z, SCALE
 from clients.datasets import DATASET_NAMES
 from clients.models import MODEL_NAMES
 from mpc.channel import LinkProfile
 from protocols.starfish.params import PAPER
-from clients.attacks import ALIE_JITTER, ALIE_Z, SCALE
-from servers.lab.aggregators import (AGGREGATORS, BRACE_DECAY, BRACE_LAMBDA, BRACE_SCALE, FEDSECA_BETA,
-                                     FEDSECA_GAMMA, build_aggregator)
+from servers.lab.aggregators import (AGGREGATORS, BRACE_CLIENTS, BRACE_DECAY, BRACE_LAMBDA, BRACE_SCALE,
+                                     FEDSECA_BETA, FEDSECA_GAMMA, build_aggregator)
 from servers.lab.fl import run_federated
 from servers.lab.metrics import arp, l2_distance, stored_history
 from servers.lab.recovery import METHODS, CostRecord, FedEraser, FedRecover, RandomSelection, Retrain, Starfish
@@ -105,8 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"FedSECA sparsification factor ({FEDSECA_GAMMA:g})")
     r.add_argument("--fedseca-beta", type=float, default=FEDSECA_BETA,
                    help=f"FedSECA server momentum ({FEDSECA_BETA:g})")
-    r.add_argument("--brace-lambda", type=float, default=BRACE_LAMBDA,
-                   help=f"BRACE vote threshold lambda ({BRACE_LAMBDA:g})")
+    r.add_argument("--brace-lambda", type=float,
+                   help=f"BRACE vote threshold lambda (default {BRACE_LAMBDA:g} per "
+                        f"{BRACE_CLIENTS} clients, the paper's share: 1 for 20)")
     r.add_argument("--brace-scale", type=float, default=BRACE_SCALE,
                    help=f"BRACE step: direction of round t = scale / t^decay * sign vote ({BRACE_SCALE:g})")
     r.add_argument("--brace-decay", type=float, default=BRACE_DECAY,

@@ -105,7 +105,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.imshow(grid, cmap="Reds", vmin=0, vmax=100, aspect="auto")
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
-                ax.text(j, i, f"{v:.1f}", ha="center", va="center", fontsize=9)
+                ax.text(j, i, f"{v:.1f}", ha="center", va="center", fontsize=9,
+                        color="white" if v > 50 else "black")
         ax.set_xticks(range(len(result["attacker_counts"])))
         ax.set_xticklabels([str(n) for n in result["attacker_counts"]])
         ax.set_yticks(range(len(result["aggregators"])))

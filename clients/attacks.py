@@ -26,6 +26,7 @@ poisons data rather than uploads and needs no wrapper.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -112,7 +113,7 @@ class ScalingClient(AttackedClient):
 
     def __init__(self, inner: Honest, scale: float = SCALE, alpha: float | None = None) -> None:
         super().__init__(inner, alpha)
-        if not torch.isfinite(torch.tensor(float(scale))):
+        if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
         self.scale = float(scale)
 

@@ -257,6 +257,26 @@ def test_brace_sign_step_by_hand():
     assert hist.model(1).tolist() == pytest.approx([0.1, 0.1, 0.1])  # 3 > 3 fails too
 
 
+def test_brace_step_shrinks_like_one_over_sqrt_t_and_restarts_every_run():
+    clients = [FixedClient(k, [1.0, -1.0]) for k in range(3)]   # vote +1, -1 every round
+    agg = BraceSign(lam=0.0, scale=0.4, decay=0.5)
+    for _run in range(2):
+        hist = run_federated(clients, torch.zeros(2, dtype=torch.float64), 4, 0.5, aggregator=agg)
+        moved = sum(0.5 * 0.4 / math.sqrt(t) for t in range(1, 5))
+        assert hist.model(4).tolist() == pytest.approx([-moved, moved])
+    fixed = run_federated(clients, torch.zeros(2, dtype=torch.float64), 4, 0.5,
+                          aggregator=BraceSign(lam=0.0, scale=0.4, decay=0.0))
+    assert fixed.model(4).tolist() == pytest.approx([-0.8, 0.8])
+
+
+@pytest.mark.parametrize("k, ups, want", [(20, 11, 1.0), (20, 10, -1.0),     # lambda 1: sum 2 > 1, 0 is not
+                                           (100, 53, 1.0), (100, 52, -1.0)])  # lambda 5: 6 > 5, 4 is not
+def test_brace_default_lambda_is_the_papers_5_per_100_clients(k, ups, want):
+    updates = {j: torch.tensor([1.0 if j < ups else -1.0]) for j in range(k)}
+    d = BraceSign(scale=1.0, decay=0.0).direction(updates, {})
+    assert d.tolist() == [want]
+
+
 def test_registry_and_parameter_checks():
     assert set(AGGREGATORS) == {"fedavg", "fedseca", "brace-sign"}
     assert {n: build_aggregator(n).name for n in AGGREGATORS} == {n: n for n in AGGREGATORS}
@@ -268,6 +288,8 @@ def test_registry_and_parameter_checks():
         FedSECA(beta=-0.1)
     with pytest.raises(ValueError, match="scale"):
         BraceSign(scale=0.0)
+    with pytest.raises(ValueError, match="decay"):
+        BraceSign(decay=-1.0)
 
 
 # ------------------------------------------------------------------ Retrain
@@ -290,6 +312,26 @@ def test_retrain_reruns_fl_with_the_same_aggregator_and_a_remaining_omniscient_a
 
 
 # ------------------------------------------------------------------ the lab
+def test_who_attacks():
+    from argparse import Namespace
+
+    from bench.lab_setup import attackers_of
+
+    def ns(**kw):
+        return Namespace(**{"clients": 6, "no_backdoor": False, "attack": "backdoor",
+                            "attackers": None, **kw})
+
+    assert attackers_of(ns(), [2, 4]) == ("backdoor", (2, 4))          # the lab's old default
+    assert attackers_of(ns(attack="alie", attackers=3), [4]) == ("alie", (0, 1, 2))
+    assert attackers_of(ns(attackers=0), [0]) == ("none", ())
+    assert attackers_of(ns(no_backdoor=True), [0]) == ("none", ())
+    assert attackers_of(ns(attack="none", attackers=2), [0]) == ("none", ())
+    with pytest.raises(ValueError, match="attackers"):
+        attackers_of(ns(attackers=7), [0])
+    with pytest.raises(ValueError, match="unknown attack"):
+        attackers_of(ns(attack="krum"), [0])
+
+
 def test_lab_runs_fedseca_against_sign_flip(tmp_path):
     from bench.lab import main
 
@@ -300,9 +342,26 @@ def test_lab_runs_fedseca_against_sign_flip(tmp_path):
     out = json.loads((tmp_path / "lab.json").read_text())
     cfg = out["config"]
     assert cfg["aggregator"] == {"name": "fedseca", "gamma": 0.9, "beta": 0.5}
+    assert cfg["rounds"] == 4 and cfg["clients"] == 6
     assert cfg["attack"] == "sign-flip" and cfg["attackers"] == [0, 1] and cfg["targets"] == [0]
     methods = [r["method"] for r in out["results"]]
     assert methods == ["original (with target)", "retrain"]
     for r in out["results"]:
         assert 0.0 <= r["ter"] <= 1.0 and 0.0 <= r["ba_asr"] <= 1.0
     assert out["costs"]["retrain"]["client_computations"] == {str(j): 4 for j in range(1, 6)}
+
+
+def test_robust_lab_writes_one_cell_per_aggregator_and_attacker_count(tmp_path):
+    from bench.robust_lab import main
+
+    rc = main(["--clients", "4", "--rounds", "2", "--train-limit", "200", "--attack", "scaling",
+               "--aggregators", "fedavg,brace-sign", "--attacker-counts", "0,1",
+               "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    out = json.loads((tmp_path / "robust_lab.json").read_text())
+    cells = {(c["aggregator"], c["attackers"]): c for c in out["cells"]}
+    assert set(cells) == {("fedavg", 0), ("fedavg", 1), ("brace-sign", 0), ("brace-sign", 1)}
+    assert cells[("fedavg", 0)]["attack"] == "none" and cells[("fedavg", 1)]["attacker_ids"] == [0]
+    assert cells[("brace-sign", 1)]["aggregator_params"]["scale"] == 0.5
+    assert (tmp_path / "robust_lab.png").stat().st_size > 0
+    assert main(["--aggregators", "krum", "--quiet"]) == 2
