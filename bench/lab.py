@@ -116,8 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     u.add_argument("--method", default="retrain,federaser,fedrecover,crab,fedadp,starfish,random",
                    help="comma-separated: " + ",".join(METHODS))
     u.add_argument("--sigma", type=float,
-                   help=f"Starfish selection rate (the paper's {PAPER.sigma}; 0.8 for the MLP and "
-                        "the CNNs on the digits, see docs/lab.md \"Deep models\")")
+                   help=f"Starfish selection rate (the paper's {PAPER.sigma}; 0.8 for the MLP on "
+                        "the digits, see docs/lab.md \"Deep models\")")
     u.add_argument("--alpha", type=float, default=PAPER.alpha,
                    help=f"tolerance rate of delta ({PAPER.alpha})")
     u.add_argument("--beta", type=float, default=PAPER.beta,
@@ -274,6 +274,7 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
             "client_computations_mean": cost.total_client_computations() / n,
             "l2_to_retrain": None if retrained is None else l2_distance(models[name], retrained),
             "stored": stored_history(cost, history),
+            "diverged": not bool(torch.isfinite(models[name]).all()),
             "epsilon": cost.extra.get("epsilon") if name == "fedadp" else None,
         })
     config = {k: (v if not isinstance(v, Path) else str(v)) for k, v in vars(args).items()
@@ -388,7 +389,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     body = []
     for r in rows:
         body.append([
-            r["method"], _fmt(r.get("ter"), True), _fmt(r.get("ba_asr"), True),
+            r["method"] + (" (diverged)" if r.get("diverged") else ""), _fmt(r.get("ter"), True), _fmt(r.get("ba_asr"), True),
             _fmt(r.get("mia_asr"), True),
             "-" if r.get("arp") is None else f"{r['arp']:.1f}",
             _fmt(r.get("client_computations_mean"), digits=1), str(r.get("rounds_used", "-")),

@@ -184,7 +184,7 @@ def test_model_defaults_sit_between_the_command_line_and_the_dataset():
     assert (logreg.get("model"), logreg.get("lr"), logreg.get("sigma")) == ("logreg", 0.3, PAPER.sigma)
     cnn = cfg("--model", "cnn")
     assert cnn.get("lr") == MODEL_DEFAULTS[("digits", "cnn")]["lr"] != DATASET_DEFAULTS["digits"]["lr"]
-    assert cnn.get("sigma") == 0.8 and cnn.get("batch_size") == DATASET_DEFAULTS["digits"]["batch_size"]
+    assert cnn.get("sigma") == PAPER.sigma and cnn.get("batch_size") == DATASET_DEFAULTS["digits"]["batch_size"]
     assert cfg("--model", "mlp").get("sigma") == 0.8 and cfg("--model", "mlp").get("lr") == 0.3
     assert cfg("--model", "cnn", "--lr", "0.02", "--sigma", "0.5").get("lr") == 0.02
     assert starfish_params(parser.parse_args(["--model", "cnn", "--sigma", "0.5"])).sigma == 0.5
@@ -219,3 +219,24 @@ def test_lab_reports_what_each_method_keeps_of_the_history(tmp_path, capsys):
     eps = rows["fedadp"]["epsilon"]
     assert eps == result["costs"]["fedadp"]["extra"]["epsilon"] and eps > 0
     assert rows["starfish"]["epsilon"] is None
+
+
+def test_a_method_whose_model_blows_up_is_marked_diverged(monkeypatch, tmp_path, capsys):
+    import bench.lab as lab
+    from servers.lab.recovery import CostRecord
+
+    class Blowup:
+        def unlearn(self, history, targets, participants, progress=None):
+            model = history.model(history.num_rounds).clone()
+            model[0] = float("nan")
+            return model, CostRecord("starfish", history.num_rounds)
+
+    real = lab._make_method
+    monkeypatch.setattr(lab, "_make_method",
+                        lambda name, args: Blowup() if name == "starfish" else real(name, args))
+    rc = main(["--clients", "4", "--rounds", "3", "--epochs", "1", "--train-limit", "200",
+               "--test-limit", "80", "--method", "retrain,starfish", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    assert "starfish (diverged)" in capsys.readouterr().out
+    rows = {r["method"]: r for r in json.loads((tmp_path / "lab.json").read_text())["results"]}
+    assert rows["starfish"]["diverged"] is True and rows["retrain"]["diverged"] is False
