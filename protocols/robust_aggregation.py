@@ -104,10 +104,20 @@ brace_sign                    K D + D                 K D                  --
 check_thresholds              2 K D + 3 K             --                   K D (squares) + 2 K
 ============================  ======================  ===================  ==================
 
-Rounds do not depend on D: about 390 online rounds for ``fedseca`` at K = 20 (each comparator
-layer of a network is one comparison call + one multiplication, 15 layers at K = 20, twice:
-norms and coordinates), 17 for ``brace_sign``, 20 for ``check_thresholds``. Measured bytes and
-seconds: docs/protocols.md, "Robust aggregation" (``python -m bench.robust_aggregation``).
+Measured (K = 20, ``python -m bench.robust_aggregation``, online bytes both directions per
+coordinate): signs 5.5 KB, crise 1.1 KB, agree 0.7 KB, clip 1.6 KB, clamp (the network)
+10.7 KB, divide 1.0 KB: 20.5 KB for ``fedseca``, 2.5 KB for ``brace_sign``, 3.3 KB for
+``check_thresholds``; dealer material about 0.4 times that. Rounds do not depend on D while a
+comparison call stays below :data:`MAX_BATCH` elements (398 for ``fedseca`` at K = 20, 24 for
+``brace_sign``, one more to open either; 20 for ``check_thresholds``); larger calls are split,
+8 rounds per extra piece (587 rounds for ``fedseca`` + check + opening at D = 582,026). docs/protocols.md has the tables.
+
+Why not ``protocols.division``. The count n^j is an integer in 0..K: its one-hot costs K zero
+tests (960 bytes at K = 20) and gives 1/n^j exactly, where ``divide`` costs 34 comparisons and 9
+multiplications per element (about 2.9 KB) for 2**-15 relative accuracy. The clip factor needs
+tau / ||g_k||, i.e. square roots, which ``protocols`` has no primitive for; from the exact ring
+value of ||g_k||^2 the normalised inverse square root below keeps ~14 significant bits for every
+norm, where a 16-bit encoding of a norm of 0.01 keeps 9.
 
 Fixed-point error (2PC against the twin, inputs on the 2**-16 grid)
 -------------------------------------------------------------------
@@ -117,32 +127,37 @@ computed from the exact ring value of ||g_k||^2 (32 fractional bits): a secret p
 brings it into [1, 4) (30 comparisons, one exact product, one truncation), three Newton steps
 give 1/sqrt of it (initial error 8.7%, then 1.2e-2, 2.0e-4, 6e-8), and
 c_k = sqrt(x_med) / sqrt(x_k) 2**(e_med - e_k) is formed at 32 fractional bits; c_k = 1 exactly
-for an unclipped client. Its relative error is below 2**-12 (truncations of the 16-bit Newton
-iterates; measured below 2**-14). Then x = c |g| (one truncation, one unit), the network and the
+for an unclipped client. Its relative error is below 2**-12 (the truncations of the 16-bit
+Newton iterates and products, about 2**-12.3 in the worst case; measured at most 2**-13.95
+over 122 clipped clients). Then x = c |g| (one truncation, one unit), the network and the
 clamped sum are exact on those x, and the division adds one unit. So
-|g_tilde_2pc - g_tilde_twin| <= 2 (2**-12 max_k |g_hat_k^j| + 2**-16) + 2**-16 per coordinate
-(median and min are 1-Lipschitz; the mean of values each off by at most e is off by at most
-e). mu^j is exact when no client is clipped (c_k = 1: x = |g| exactly).
+|g_tilde_2pc - g_tilde_twin| <= 2**-12 max_k |g_hat_k^j| + 2 2**-16 per coordinate (the
+median and min are 1-Lipschitz, so each clamped value is off by at most the largest error of
+an x; so is their mean); the tests allow twice that, 2 (2**-12 max_k |g_k^j| + 2**-16) + 2**-16. mu^j is exact when no client is clipped (c_k = 1: x = |g| exactly).
 
 Ranges (2PC): |g| < 2**14 (x = c |g| is formed as a 48-bit product), ||g||^2 < 2**30 (its raw
-ring value must stay below 2**62), |lambda| < 2**15 (squared in the check); the upload range
-check (``protocols.upload_range``, |g| < 2**10 by default) implies the first two for D up to
-2**10.
+ring value must stay below 2**62), 0 <= lambda < 2**15 (squared in the check). The upload range
+check (``protocols.upload_range``: |g| < 2**10, ||g|| < 2**14 with the norm consistency test,
+delta in a window, by default) gives the first two; lambda_k should travel in that check's delta
+slot. Outside the range results are wrong, never revealing: e.g. a lambda that wraps when
+squared can pass the check only as a positive value of at least 2**16 ((lambda - v)(lambda + v)
+must vanish mod 2**64 in the ring), above every |g|: it sparsifies away that client's own update.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from functools import lru_cache
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, ContextManager, NamedTuple, Optional, Sequence
 
 import torch
 
-from mpc.nonnegative import below_power_of_two
+from mpc.nonnegative import below_power_of_two, nonnegative
 
 from . import backend as B
 from .backend import Tensor
-from .compare import compare_exchange, ge, select
+from .compare import compare_exchange, select
 
 __all__ = [
     "fedseca",
@@ -173,6 +188,9 @@ _POW4 = 30
 _RSQRT_A, _RSQRT_B, _RSQRT_STEPS = 1.066, 0.152, 3
 # Fractional bits of the clip factors and of 1/count.
 _HI = 32
+#: elements per comparison call: larger calls are split, so a party's memory stays bounded
+#: (about 150 bytes of masks, planes and triples per compared element) at 8 rounds per piece
+MAX_BATCH = 1 << 22
 
 
 # --------------------------------------------------------------------------------- networks
@@ -274,7 +292,7 @@ def _run_network(layers, keys: list, payloads: Sequence[list] = ()) -> tuple[lis
         hi = [j for _, j in layer]
         a = B.stack([keys[i] for i in lo])
         b = B.stack([keys[j] for j in hi])
-        swap = 1 - ge(b, a)  # the larger value moves up
+        swap = 1 - _ge(b, a)  # the larger value moves up
         pa = [B.stack([p[i] for i in lo]) for p in pays]
         pb = [B.stack([p[j] for j in hi]) for p in pays]
         na, nb = compare_exchange(swap, [a] + pa, [b] + pb)
@@ -289,8 +307,35 @@ def _run_network(layers, keys: list, payloads: Sequence[list] = ()) -> tuple[lis
 
 
 # ------------------------------------------------------------------------------ small pieces
+Meter = Callable[[str], ContextManager[Any]]
+
+
+def _no_meter(_name: str) -> ContextManager[Any]:
+    return contextlib.nullcontext()
+
+
 def _f64(x: Any) -> torch.Tensor:
     return torch.as_tensor(x).to(torch.float64)
+
+
+def _batched(test, x: Any) -> Any:
+    """``test`` (a shared-bit protocol) on ``x`` in calls of at most :data:`MAX_BATCH` elements."""
+    n = math.prod(tuple(x.shape))
+    if n <= MAX_BATCH:
+        return test(x)
+    shape = tuple(x.shape)
+    flat = x.reshape(-1)
+    parts = [test(flat[i:i + MAX_BATCH]) for i in range(0, n, MAX_BATCH)]
+    return B.cat(parts).reshape(shape)
+
+
+def _ge(x: Tensor, y: Tensor) -> Tensor:
+    """[x >= y] (:func:`protocols.compare.ge`'s sign test of x - y, in bounded batches)."""
+    if not B.any_shared(x, y):
+        x, y = torch.as_tensor(x), torch.as_tensor(y)
+        return (x >= y).to(B.float_dtype(x, y))
+    diff = x - y if B.is_shared(x) else (-y) + x
+    return _batched(nonnegative, diff)
 
 
 def _is_zero(x: Tensor) -> Tensor:
@@ -298,12 +343,12 @@ def _is_zero(x: Tensor) -> Tensor:
     x = 2**63, outside every range): one ``below_power_of_two`` test (63 AND gates)."""
     if not B.is_shared(x):
         return (_f64(x) == 0).to(torch.float64)
-    return below_power_of_two(B.relabel(x, 0) * 2, 1)
+    return _batched(lambda v: below_power_of_two(v, 1), B.relabel(x, 0) * 2)
 
 
 def _sign(x: Tensor) -> Tensor:
     """sgn(x) in {-1, 0, 1} (sgn(0) = 0): one comparison and one zero test."""
-    return ge(x, 0) * 2 - 1 - _is_zero(x)
+    return _ge(x, 0) * 2 - 1 - _is_zero(x)
 
 
 def _rows(x: Tensor) -> list:
@@ -357,7 +402,14 @@ def _thresholds_column(G: Tensor, thresholds: Optional[Tensor], gamma: float) ->
         return quantile_thresholds(G, gamma).unsqueeze(1)
     if tuple(thresholds.shape) != (K,):
         raise ValueError(f"thresholds must have shape ({K},), got {tuple(thresholds.shape)}")
-    return thresholds.unsqueeze(1) if B.is_shared(thresholds) else _f64(thresholds).unsqueeze(1)
+    if B.is_shared(thresholds):
+        # lambda >= 0 is assumed (keep+ = [g > lambda] must imply g > 0); a shared negative one
+        # is what check_thresholds rejects
+        return thresholds.unsqueeze(1)
+    lam = _f64(thresholds)
+    if bool((lam < 0).any()) or not bool(torch.isfinite(lam).all()):
+        raise ValueError("thresholds must be finite and non-negative (lambda_k is a quantile of |g_k|)")
+    return lam.unsqueeze(1)
 
 
 # --------------------------------------------------------------------------------- clipping
@@ -384,7 +436,7 @@ def _clip_factors(G: Tensor) -> Tensor:
                            torch.ones_like(n))
     # N_k = sum_j g_enc^2: the exact ring value of ||g_k||^2 at 32 fractional bits
     N = B.relabel(B.raw_square(G).sum(1), 0)
-    bits = ge(N.unsqueeze(1), torch.pow(4.0, torch.arange(1, _POW4 + 1, dtype=torch.float64)))
+    bits = _ge(N.unsqueeze(1), torch.pow(4.0, torch.arange(1, _POW4 + 1, dtype=torch.float64)))
     e = bits.sum(1)  # 4**e <= N < 4**(e+1)
     # 4**(30-e) = 4**30 - sum_j [N >= 4**j] 3 4**(30-j): a public integer combination (telescoping)
     steps = torch.tensor([3 * 4 ** (_POW4 - j) for j in range(1, _POW4 + 1)], dtype=torch.long)
@@ -396,7 +448,7 @@ def _clip_factors(G: Tensor) -> Tensor:
     keys, (roots, exps) = _run_network(median_network(K), _rows(N.unsqueeze(1)),
                                        [_rows(root.unsqueeze(1)), _rows(e.unsqueeze(1))])
     n_med, root_med, e_med = keys[m], roots[m], exps[m]
-    clipped = 1 - ge(n_med, N)             # [||g_k|| > tau], exact on the ring values
+    clipped = 1 - _ge(n_med, N)             # [||g_k|| > tau], exact on the ring values
     # 2**(e_med - e_k) for the clipped (e_med - e_k in -30..0): one-hot by zero tests, 32 bits
     d = (e_med - e).unsqueeze(1) + torch.arange(0, _POW4 + 1, dtype=torch.long)
     pow2 = (_is_zero(d) * torch.tensor([1 << (_HI - i) for i in range(_POW4 + 1)],
@@ -471,7 +523,7 @@ class FedsecaParts(NamedTuple):
 def _signs_and_keeps(G: Tensor, lam: Tensor):
     """One comparison call: [g >= 0], [lambda >= g], [g >= -lambda]; one zero test."""
     K = int(G.shape[0])
-    bits = ge(B.cat([G, (-G) + lam, G + lam]), 0)
+    bits = _ge(B.cat([G, (-G) + lam, G + lam]), 0)
     nonneg, not_above, not_below = bits[:K], bits[K:2 * K], bits[2 * K:]
     zero = _is_zero(G)
     S = nonneg * 2 - 1 - zero
@@ -482,17 +534,22 @@ def _crise(S: Tensor):
     """(weights w = K rho, [s = +1], [s = -1]) from the sign matrix S (K x D integers)."""
     omega = S.matmul(S.t()) if B.is_shared(S) else S @ S.T
     v = _sign(omega).sum(1)
-    w = ge(v, 0) * v
+    w = _ge(v, 0) * v
     t = w.unsqueeze(0).matmul(S).squeeze(0) if B.is_shared(S) else w @ S
-    pos = ge(t, 0)
+    pos = _ge(t, 0)
     zero = _is_zero(t)
     return w, pos - zero, 1 - pos
 
 
-def fedseca_parts(G: Tensor, *, gamma: float = FEDSECA_GAMMA,
-                  thresholds: Optional[Tensor] = None) -> FedsecaParts:
+def fedseca_parts(G: Tensor, *, gamma: float = FEDSECA_GAMMA, thresholds: Optional[Tensor] = None,
+                  meter: Optional[Meter] = None) -> FedsecaParts:
     """FedSECA on the K x D update matrix ``G``, with every intermediate (for tests and
-    inspection; opening them in 2PC would leak, :func:`fedseca` returns the aggregate only)."""
+    inspection; opening them in 2PC would leak, :func:`fedseca` returns the aggregate only).
+
+    ``meter``: e.g. ``party.meter``; the steps signs, crise, agree, clip, clamp and divide are
+    metered under those names.
+    """
+    meter = meter or _no_meter
     _check_gamma(gamma)
     G = _prepare(G)
     K, D = int(G.shape[0]), int(G.shape[1])
@@ -503,31 +560,38 @@ def fedseca_parts(G: Tensor, *, gamma: float = FEDSECA_GAMMA,
         ones = torch.ones(K, dtype=torch.float64)
         return FedsecaParts(empty, empty, torch.zeros(K, dtype=torch.float64), z2, z2, empty,
                             ones, empty, lam.reshape(K))
-    nonneg, S, keep_pos, keep_neg = _signs_and_keeps(G, lam)
-    w, s_pos, s_neg = _crise(S)
-    agree_pm = B.stack([keep_pos, keep_neg]) * B.stack([s_pos, s_neg]).unsqueeze(1)
-    agree = agree_pm[0] + agree_pm[1]
-    signed = agree_pm[0] - agree_pm[1]          # delta s
-    count = agree.sum(0)
-    absg = (nonneg * 2 - 1) * G
-    c = _clip_factors(G)
-    x = _scale_rows(c, absg)
-    num, mu = _clamped_sum(x, signed)
-    agg = _divide_by_count(num, count, K)
+    with meter("signs"):
+        nonneg, S, keep_pos, keep_neg = _signs_and_keeps(G, lam)
+    with meter("crise"):
+        w, s_pos, s_neg = _crise(S)
+    with meter("agree"):
+        agree_pm = B.stack([keep_pos, keep_neg]) * B.stack([s_pos, s_neg]).unsqueeze(1)
+        agree = agree_pm[0] + agree_pm[1]
+        signed = agree_pm[0] - agree_pm[1]          # delta s
+        count = agree.sum(0)
+    with meter("clip"):
+        absg = (nonneg * 2 - 1) * G
+        c = _clip_factors(G)
+        x = _scale_rows(c, absg)
+    with meter("clamp"):
+        num, mu = _clamped_sum(x, signed)
+    with meter("divide"):
+        agg = _divide_by_count(num, count, K)
     return FedsecaParts(agg, s_pos - s_neg, w, keep_pos + keep_neg, agree, count, c, mu,
                         lam.reshape(K))
 
 
-def fedseca(G: Tensor, *, gamma: float = FEDSECA_GAMMA,
-            thresholds: Optional[Tensor] = None) -> Tensor:
+def fedseca(G: Tensor, *, gamma: float = FEDSECA_GAMMA, thresholds: Optional[Tensor] = None,
+            meter: Optional[Meter] = None) -> Tensor:
     """FedSECA's aggregate g_tilde (eq. 7 on the VRS gradients), a D-vector.
 
     ``G``: K x D updates (torch tensor: plaintext twin in float64; MPCTensor: shares, result
     shared, nothing opened). ``gamma``: sparsification factor (default 0.9). ``thresholds``:
-    lambda_k per client (shared or public); None computes them in the clear (plaintext only).
+    lambda_k >= 0 per client (shared or public; a shared one is verified by
+    :func:`check_thresholds`); None computes them in the clear (plaintext only).
     Unweighted, as in the paper. Server momentum is not applied (see :func:`momentum`).
     """
-    return fedseca_parts(G, gamma=gamma, thresholds=thresholds).aggregate
+    return fedseca_parts(G, gamma=gamma, thresholds=thresholds, meter=meter).aggregate
 
 
 def fedseca_elected_signs(G: Tensor) -> Tensor:
@@ -557,32 +621,43 @@ def momentum(prev: Optional[torch.Tensor], agg: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------------ BRACE
-def brace_sign(G: Tensor, *, lam: float = BRACE_LAMBDA) -> Tensor:
+def brace_sign(G: Tensor, *, lam: float = BRACE_LAMBDA, meter: Optional[Meter] = None) -> Tensor:
     """BRACE's GAR (eq. 1): +1 where sum_k sgn(g_k^j) > lam, else -1 (a D-vector).
 
     Shares in, shares out (integers at scale 1; open with :func:`protocols.backend.reveal`).
-    The vote sum is an integer, so it is compared with floor(lam) exactly.
+    The vote sum is an integer, so it is compared with floor(lam) exactly. ``meter``: steps
+    signs and vote.
     """
+    meter = meter or _no_meter
     if not (isinstance(lam, (int, float)) and math.isfinite(float(lam))):
         raise ValueError(f"lam must be a finite number, got {lam!r}")
     G = _prepare(G)
     if int(G.shape[1]) == 0:
         return torch.zeros(0, dtype=torch.float64)
-    total = _sign(G).sum(0)
-    up = 1 - ge(math.floor(float(lam)), total)
+    with meter("signs"):
+        total = _sign(G).sum(0)
+    with meter("vote"):
+        up = 1 - _ge(math.floor(float(lam)), total)
     return up * 2 - 1
 
 
 # ------------------------------------------------------------------------ threshold check
-def check_thresholds(G: Tensor, thresholds: Tensor, gamma: float = FEDSECA_GAMMA) -> torch.Tensor:
+def check_thresholds(G: Tensor, thresholds: Tensor, gamma: float = FEDSECA_GAMMA,
+                     meter: Optional[Meter] = None) -> torch.Tensor:
     """Public bool per client: is lambda_k exactly the order statistic v_(f) of |g_k|?
 
     f = floor(gamma (D - 1)) (:func:`quantile_rank`). True iff lambda_k >= 0,
     #{j: |g_k^j| > lambda_k} <= D - 1 - f and #{j: |g_k^j| >= lambda_k} >= D - f. 2PC: one
     square round (g and lambda, untruncated: exact on the encodings), one comparison call for
     the 2 K D coordinate tests, one for the 3 K per-client tests, two AND rounds, one opening
-    of K bits, nothing else. D = 0: every claim passes (nothing to sparsify).
+    of K bits, nothing else. D = 0: every claim passes (nothing to sparsify). ``meter``: the
+    whole check is the step "check".
     """
+    with (meter or _no_meter)("check"):
+        return _check_thresholds(G, thresholds, gamma)
+
+
+def _check_thresholds(G: Tensor, thresholds: Tensor, gamma: float) -> torch.Tensor:
     _check_gamma(gamma)
     G = _prepare(G)
     K, D = int(G.shape[0]), int(G.shape[1])
@@ -601,9 +676,9 @@ def check_thresholds(G: Tensor, thresholds: Tensor, gamma: float = FEDSECA_GAMMA
     G = B.to_shared_like(G)
     sq = B.raw_square(B.cat([G, lam.unsqueeze(1)], dim=1))
     g2, l2 = sq[:, :D], sq[:, D:]
-    bits = ge(B.cat([l2.expand(K, D), g2]), B.cat([g2, l2.expand(K, D)]))
+    bits = _ge(B.cat([l2.expand(K, D), g2]), B.cat([g2, l2.expand(K, D)]))
     n_gt = D - bits[:K].sum(1)               # not [lambda^2 >= g^2]
     n_ge = bits[K:].sum(1)
-    tests = ge(B.cat([(D - 1 - f) - n_gt, n_ge - (D - f), B.relabel(lam, 0)]), 0)
+    tests = _ge(B.cat([(D - 1 - f) - n_gt, n_ge - (D - f), B.relabel(lam, 0)]), 0)
     ok = tests[:K] * tests[K:2 * K] * tests[2 * K:]
     return B.reveal(ok).to(torch.bool)

@@ -11,6 +11,7 @@ import torch
 
 from mpc.crypten_compat import crypten
 from protocols import backend as B
+from protocols import robust_aggregation as ra
 from protocols.robust_aggregation import brace_sign, check_thresholds, fedseca_elected_signs, fedseca_parts
 
 
@@ -22,7 +23,10 @@ def _open(x) -> np.ndarray:
     return B.reveal(x).numpy().copy()
 
 
-def fedseca_cases(party, cases: list) -> list:
+def fedseca_cases(party, cases: list, max_batch: int | None = None) -> list:
+    """``max_batch`` splits the comparison calls into pieces of that many elements."""
+    if max_batch is not None:
+        ra.MAX_BATCH = max_batch
     out = []
     for case in cases:
         g = _shared(case["g"], 0)
@@ -46,3 +50,8 @@ def missing_thresholds(party) -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def fedseca_once(party, g: np.ndarray, lam: np.ndarray) -> None:
+    """One aggregation, nothing opened (for round counts)."""
+    fedseca_parts(_shared(g, 0), thresholds=_shared(lam, 1))

@@ -176,6 +176,8 @@ def test_parameter_errors():
         fedseca(torch.zeros(0, 3))
     with pytest.raises(ValueError, match="shape"):
         fedseca(g, thresholds=_t([0.1, 0.2]))
+    with pytest.raises(ValueError, match="non-negative"):
+        fedseca(g, thresholds=_t([-0.5]))
     with pytest.raises(ValueError, match="finite"):
         brace_sign(g, lam=float("nan"))
     with pytest.raises(ValueError, match="shape"):
@@ -397,6 +399,21 @@ def test_fedseca_2pc_matches_twin(pair):
             np.testing.assert_array_equal(got["clamp"], twin.clamp.numpy())
 
 
+def test_fedseca_2pc_in_small_batches(pair):
+    """Comparison calls split into pieces of 7 elements (as full-size calls are split) give the
+    same bits and an aggregate within the bound."""
+    cases = _random_cases(17, 4, max_k=6, max_d=9, max_enc=1 << 30)
+    small, _ = pair.call(rap.fedseca_cases, cases, 7)
+    pair.call(rap.fedseca_cases, [], 1 << 22)   # back to the default for later calls
+    for case, got in zip(cases, small):
+        g = case["g"]
+        twin = fedseca_parts(_t(g), gamma=case["gamma"], thresholds=_t(case["lam"]))
+        for name in ("signs", "weights", "keep", "agree", "count"):
+            np.testing.assert_array_equal(got[name], twin._asdict()[name].numpy(), err_msg=name)
+        np.testing.assert_array_equal(got["brace"], brace_sign(_t(g), lam=case["brace_lam"]).numpy())
+        assert np.all(np.abs(got["aggregate"] - twin.aggregate.numpy()) <= _tolerance(g))
+
+
 def test_check_thresholds_2pc_matches_twin(pair):
     rng = np.random.default_rng(7)
     cases = []
@@ -412,6 +429,18 @@ def test_check_thresholds_2pc_matches_twin(pair):
         want = check_thresholds(_t(case["g"]), _t(case["lam"]), case["gamma"]).numpy()
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(got, oracle_check(case["g"], case["lam"], case["gamma"]))
+
+
+def test_2pc_rounds_do_not_grow_with_d(pair):
+    """All K x D comparisons go in one call (below MAX_BATCH elements): the rounds of an
+    aggregation depend on K only, and nothing is opened on the way (no extra round)."""
+    rng = np.random.default_rng(2)
+    rounds = []
+    for D in (3, 60):
+        g = np.round(rng.normal(size=(6, D)) / LSB) * LSB
+        _, meters = pair.call_metered(rap.fedseca_once, g, oracle_threshold(g, 0.9))
+        rounds.append(meters[0]["online_rounds"])
+    assert rounds[0] == rounds[1]
 
 
 def test_2pc_refuses_missing_thresholds(pair):
