@@ -91,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("attacks and robust aggregation (docs/lab.md)")
     r.add_argument("--aggregator", choices=tuple(AGGREGATORS), default="fedavg",
                    help="server rule of the FL run and of Retrain (fedavg)")
+    r.add_argument("--starfish-replay", choices=("fedavg", "aggregator"), default="fedavg",
+                   help="the step of Starfish's and random selection's replay: FedAvg, as in the "
+                        "paper and the service (default), or the FL run's --aggregator")
     r.add_argument("--attack", choices=ATTACK_NAMES, default="backdoor",
                    help="what the attackers do (backdoor: the targets' poisoned data)")
     r.add_argument("--attackers", type=int,
@@ -204,10 +207,11 @@ def _make_method(name: str, args: argparse.Namespace):
         return FedRecover(buffer=args.buffer, beta=args.beta, warmup=args.buffer,
                           final_tuning=args.fedrecover_final,
                           abnormal_alpha=args.fedrecover_alpha)
+    replay = make_aggregator(args) if getattr(args, "starfish_replay", "fedavg") == "aggregator" else None
     if name == "starfish":
-        return Starfish(starfish_params(args))
+        return Starfish(starfish_params(args), aggregator=replay)
     if name == "random":
-        return RandomSelection(starfish_params(args), seed=args.seed)
+        return RandomSelection(starfish_params(args), seed=args.seed, aggregator=replay)
     if name == "crab":
         return Crab(alpha=args.crab_alpha, lam=args.crab_lambda, delta=args.crab_delta,
                     beta=args.crab_beta)
@@ -423,8 +427,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
         ax.set_title(title)
     cfg = result["config"]
-    fig.suptitle(f"starfish lab: {cfg['dataset']}, {cfg['clients']} clients, {cfg['rounds']} "
-                 f"rounds, targets {cfg['targets']}")
+    fig.suptitle(f"starfish lab: {cfg['dataset']}, {cfg.get('model')}, {cfg['clients']} clients, "
+                 f"{cfg['rounds']} rounds, targets {cfg['targets']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -14,7 +14,9 @@ took part in round t (public; all of them under full participation):
 3. ``correction``: those clients' exact updates replace their rows; ``pairs``: their secants
    are offered to the L-BFGS buffers (kept if they pass the curvature test);
 4. ``aggregate``: M_hat <- M_hat - eta sum_j w_j g^j with the stored FedAvg weights of round
-   t renormalised over present_t; the aggregate is the only value opened.
+   t renormalised over present_t; the aggregate is the only value opened. A history made by
+   another rule (the lab's robust aggregators) can be replayed with that rule instead:
+   ``combine(rows, weights, present, t)`` returns the opened direction of round t.
 
 Rounds without a present client (an unlearning round, a round of targets only) cannot be
 replayed (``replay_round`` refuses them); callers replay only candidate rounds
@@ -48,10 +50,15 @@ from .pair_buffers import PairBuffers
 from .ports import CorrectionClients, History
 from .update_estimation import Inverse, estimate_updates
 
-__all__ = ["Schedule", "Replay", "Meter", "ProgressFn", "no_meter"]
+__all__ = ["Schedule", "Replay", "Combine", "Meter", "ProgressFn", "no_meter"]
 
 Meter = Callable[[str], ContextManager[Any]]
 ProgressFn = Callable[[int, int, str], None]
+
+
+#: ``combine(rows, weights, present, t)``: the direction of replayed round ``t`` from its rows (one
+#: per present client, estimated or exact), their renormalised FedAvg weights and the client ids.
+Combine = Callable[[list, list, list, int], Any]
 
 
 def no_meter(_name: str) -> ContextManager[Any]:
@@ -79,7 +86,7 @@ class Replay:
 
     def __init__(self, history: History, rest: Sequence[int], clients: CorrectionClients, *,
                  buffer: int, server_lr: float, meter: Meter = no_meter,
-                 inverse: Inverse | None = None) -> None:
+                 inverse: Inverse | None = None, combine: Combine | None = None) -> None:
         self.history = history
         self.rest = list(rest)
         self.clients = clients
@@ -87,6 +94,7 @@ class Replay:
         self.eta = float(server_lr)
         self.meter = meter
         self.inverse = inverse
+        self.combine = combine
         self.out_dtype = history.model(0).dtype
         self.model = history.model(0).to(torch.float64).clone()
         self.step = 0
@@ -153,7 +161,10 @@ class Replay:
             with self.meter("pairs"):
                 self.buffers.push_many(list(secants), s, list(secants.values()))
         with self.meter("aggregate"):
-            aggregate = reveal(weighted_sum(rows, weights)).to(torch.float64)
+            if self.combine is None:
+                aggregate = reveal(weighted_sum(rows, weights)).to(torch.float64)
+            else:
+                aggregate = torch.as_tensor(self.combine(rows, weights, present, t)).to(torch.float64)
             self.model = self.model - self.eta * aggregate
         self.last_aggregate = aggregate
         everyone = len(present) == len(history.participants(t)) and abs(wsum - 1.0) <= 1e-9

@@ -44,7 +44,7 @@ import torch
 from .backend import stack, to_compute
 from .params import StarfishParams
 from .ports import CorrectionClients, History, candidate_rounds, remaining_clients, rounds_of
-from .replay import ProgressFn, Replay, no_meter
+from .replay import Combine, ProgressFn, Replay, no_meter
 from .round_selection import starfish_select
 from .threshold_check import check_thresholds
 from .threshold_determination import determine_thresholds
@@ -144,11 +144,13 @@ def run_stage2(
     *,
     inverse: Inverse | None = None,
     select: Selector = starfish_select,
+    combine: Combine | None = None,
 ) -> Stage2Result:
     """Unlearn ``targets`` from ``history``; see the module docstring.
 
     ``party``: the two-party session handle (``mpc.session.Party``) for metering, or None
-    in plaintext. ``select`` replaces round selection (the random-selection baseline).
+    in plaintext. ``select`` replaces round selection (the random-selection baseline);
+    ``combine`` the FedAvg step of the replay (``replay.Combine``: the rule that made the history).
     """
     meter = party.meter if party is not None else no_meter
     t0 = time.perf_counter()
@@ -169,7 +171,7 @@ def run_stage2(
                           candidate_rounds=candidates)
 
     replay = Replay(history, rest, clients, buffer=params.buffer, server_lr=eta, meter=meter,
-                    inverse=inverse)
+                    inverse=inverse, combine=combine)
     schedule = _StarfishSchedule(params.correction_interval(T), thresholds, result)
     result.model = replay.run(selected, schedule, progress)
     result.estimated_updates = replay.estimated_updates

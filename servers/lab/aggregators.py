@@ -29,7 +29,7 @@ from .fl import aggregate
 
 __all__ = ["FedAvg", "FedSECA", "BraceSign", "AGGREGATORS", "build_aggregator",
            "FEDSECA_GAMMA", "FEDSECA_BETA", "BRACE_LAMBDA", "BRACE_CLIENTS", "BRACE_SCALE",
-           "BRACE_DECAY"]
+           "BRACE_DECAY", "replay_rule"]
 
 #: FedSECA's gamma = 0.9 and beta_ra = 0.5 and BRACE's lambda = 5 are the paper values kept in
 #: ``protocols.robust_aggregation``. BRACE's lambda = 5 goes with its n = 100 clients; by
@@ -159,3 +159,28 @@ def build_aggregator(name: str, **params: Any) -> FedAvg | FedSECA | BraceSign:
     if name not in AGGREGATORS:
         raise ValueError(f"unknown aggregator {name!r}; choose from {', '.join(AGGREGATORS)}")
     return AGGREGATORS[name](**params)
+
+
+def replay_rule(aggregator: FedAvg | FedSECA | BraceSign | None):
+    """The rule a replay (Stage II's ``combine``) applies to round t's rows, or None for FedAvg.
+
+    The replay feeds the rule the rows of the remaining clients of each replayed round, in
+    order, from a fresh state (FedSECA's momentum starts at zero, as in FL). BRACE's step is that
+    of the FL round being replayed, scale / t**decay, not of the replay's own count, so a
+    replayed round moves as far as it did in FL.
+    """
+    if aggregator is None or isinstance(aggregator, FedAvg):
+        return None
+    aggregator.reset()
+    if isinstance(aggregator, BraceSign):
+        def brace(rows, weights, present, t):
+            g = torch.stack([torch.as_tensor(r).reshape(-1) for r in rows])
+            lam = (BRACE_LAMBDA * g.shape[0] / BRACE_CLIENTS if aggregator.lam is None
+                   else aggregator.lam)
+            return aggregator.step_scale(t) * brace_sign(g, lam=lam).to(g.dtype)
+        return brace
+
+    def rule(rows, weights, present, t):
+        return aggregator.direction({j: torch.as_tensor(r) for j, r in zip(present, rows)},
+                                    dict(zip(present, weights)))
+    return rule

@@ -19,6 +19,7 @@ from protocols.starfish.round_selection import starfish_select
 from protocols.starfish.stage2 import run_stage2
 from protocols.starfish.update_estimation import Inverse
 
+from ..aggregators import replay_rule
 from ..fl import Participant, ProgressFn
 from .base import ClientPool, CostRecord, PoolClients, RecoveryMethod, Timer, remaining_clients
 
@@ -31,11 +32,16 @@ class Starfish(RecoveryMethod):
     name = "starfish"
 
     def __init__(self, params: StarfishParams | None = None, *, inverse: Inverse | None = None,
-                 **overrides: Any) -> None:
-        """``params`` (default: the paper's), or single fields as keywords (sigma=, beta=, ...)."""
+                 aggregator: Any = None, **overrides: Any) -> None:
+        """``params`` (default: the paper's), or single fields as keywords (sigma=, beta=, ...).
+
+        ``aggregator``: the lab rule that made the history (``servers.lab.aggregators``); the
+        replay then steps with it instead of FedAvg (None or FedAvg: the paper's replay).
+        """
         base = params or StarfishParams()
         self.params = StarfishParams(**{**base.__dict__, **overrides}) if overrides else base
         self.inverse = inverse
+        self.aggregator = aggregator
 
     @property
     def sigma(self) -> float:
@@ -54,7 +60,8 @@ class Starfish(RecoveryMethod):
         cost = CostRecord(self.name, history.num_rounds)
         with Timer() as timer:
             res = run_stage2(None, history, targets, self.params, PoolClients(pool), progress,
-                             inverse=self.inverse, select=self.select)
+                             inverse=self.inverse, select=self.select,
+                             combine=replay_rule(self.aggregator))
         cost.wall_time_s = timer.elapsed
         cost.selected_rounds = res.selected_rounds
         cost.correction_steps = res.correction_steps
@@ -66,7 +73,8 @@ class Starfish(RecoveryMethod):
                            "flagged_corrections": sum(len(v) for v in res.flags.values()),
                            "flags": {int(step): list(ids) for step, ids in res.flags.items()},
                            "sigma": self.params.sigma, "beta": self.params.beta,
-                           "buffer": self.params.buffer})
+                           "buffer": self.params.buffer,
+                           "replay_rule": getattr(self.aggregator, "name", "fedavg")})
         pool.fill(cost)
         return res.model, cost
 
