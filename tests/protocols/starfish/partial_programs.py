@@ -29,14 +29,7 @@ import torch
 from mpc import encoding
 from protocols.starfish.ports import History, RoundRecord, Secret
 from servers.lab.history import InMemoryHistory
-
-
-@dataclass
-class ToyUpdate:
-    update: torch.Tensor
-    norm: float
-    delta: float
-    num_samples: int
+from tests.helpers.toy_clients import ToyUpdate
 
 
 @dataclass

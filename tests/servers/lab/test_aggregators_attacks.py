@@ -25,16 +25,9 @@ from protocols.robust_aggregation import fedseca
 from servers.lab.aggregators import AGGREGATORS, BraceSign, FedAvg, FedSECA, build_aggregator
 from servers.lab.fl import run_federated
 from servers.lab.recovery import Retrain
+from tests.helpers.toy_clients import ToyUpdate
 
 torch.set_num_threads(1)
-
-
-@dataclass
-class ToyUpdate:
-    update: torch.Tensor
-    norm: float
-    delta: float
-    num_samples: int
 
 
 @dataclass

@@ -24,16 +24,9 @@ from servers.lab.history import InMemoryHistory
 from servers.lab.metrics import arp
 from servers.lab.recovery import METHODS, Crab, Starfish
 from servers.lab.recovery.crab import client_reported_signals, crab_rollback
+from tests.helpers.toy_clients import ToyUpdate
 
 torch.set_num_threads(1)
-
-
-@dataclass
-class ToyUpdate:
-    update: torch.Tensor
-    norm: float
-    delta: float
-    num_samples: int
 
 
 @dataclass

@@ -19,17 +19,10 @@ from servers.lab.history import InMemoryHistory
 from servers.lab.recovery import METHODS, FedADP
 from servers.lab.recovery.fedadp import (budget_schedule, classical_multiplier, clip_update,
                                          project, select_rounds, select_updates, stages)
+from tests.helpers.toy_clients import ToyUpdate
 
 torch.set_num_threads(1)
 SQ = math.sqrt(2 * math.log(1.25 / 1e-5))  # sqrt(2 ln(1.25/delta)) at the default delta
-
-
-@dataclass
-class ToyUpdate:
-    update: torch.Tensor
-    norm: float
-    delta: float
-    num_samples: int
 
 
 @dataclass

@@ -17,16 +17,9 @@ from protocols.starfish.ports import RoundRecord
 from servers.lab.history import InMemoryHistory, NpzHistory
 from servers.lab.metrics import arp
 from servers.lab.recovery import FedEraser, FedRecover, RandomSelection, Retrain, Starfish
+from tests.helpers.toy_clients import ToyUpdate
 
 torch.set_num_threads(1)
-
-
-@dataclass
-class ToyUpdate:
-    update: torch.Tensor
-    norm: float
-    delta: float
-    num_samples: int
 
 
 @dataclass
