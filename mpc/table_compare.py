@@ -25,6 +25,19 @@ Per coordinate, both directions: 2 x 8 bytes (two openings of c) + 2 x 7 x 4 bit
 2 x 4 bits (tree) = about 24 bytes online; offline 2 x 32 bytes of tables to server 1 (r's share
 comes from the seeds) and the binary triples. What is opened: c (uniform), the AND gates' masked
 inputs (one-time pads), and the per-row answer.
+
+``negative_bounded(x)``: the same sign test as a general primitive, [x < 0] as an arithmetic 0/1
+share (an MPCTensor at scale 1, like ``mpc.nonnegative.nonnegative``'s) for a shared x whose ring
+value lies in [-2**31, 2**31) (at 16 fractional bits: -2**15 <= x < 2**15). Each party reduces
+its 64-bit share mod 2**32 with no communication: (x0 + x1) mod 2**32 = x mod 2**32, and on that
+domain x mod 2**32 read as a signed 32-bit value is x itself, so the bit is exactly the 64-bit
+sign test's. Outside the domain the bit is the sign of x mod 2**32 read signed (wrong for some
+x, never revealing: only c, a one-time-padded value, is opened). Then the XOR-shared bit becomes
+an arithmetic one by ``mpc.nonnegative.plane_to_arith`` (a 1-bit edabit, 2 bits opened). Per
+element, both directions: 8 bytes (c) + 7 AND gates (3.5 bytes) + 0.25 bytes (conversion) =
+11.75 bytes and 9 rounds (below 64 elements the planes are squeezed to their used bits), against
+75.25 bytes and 8 rounds for the 64-bit test. Dealer mode only (``supported()``); in two-party
+mode it falls back to the 64-bit test, same bit on the domain.
 """
 
 from __future__ import annotations
@@ -35,12 +48,14 @@ from torch.distributed import ReduceOp
 
 from mpc.correlations import TABLE_CHUNKS, words_as_tables
 from mpc.crypten_compat import crypten
-from mpc.nonnegative import and_gates, nonnegative
+from mpc.nonnegative import and_gates, nonnegative, plane_to_arith
 
-__all__ = ["supported", "rows_exceed", "MAX_DROP"]
+__all__ = ["supported", "rows_exceed", "negative_bounded", "MAX_DROP", "BOUND"]
 
 MAX_DROP = 30          # the local truncation into 32 bits is exact up to its carry for drop <= 30
 _LOW31 = np.uint32(0x7FFFFFFF)
+#: negative_bounded is exact for ring values in [-BOUND, BOUND)
+BOUND = 1 << 31
 
 
 def _context():
@@ -94,6 +109,24 @@ def _negative_bits(u: np.ndarray, rank: int) -> torch.Tensor:
     if rank == 0:
         top ^= (c >> np.uint32(31)).astype(np.bool_)                 # the public c_31
     return lt ^ plane(top)                                       # msb(u) = c_31 ^ r_31 ^ [c' < r']
+
+
+def negative_bounded(x):
+    """Shared bit (MPCTensor, scale 1) of ``x < 0`` for a shared ``x`` whose ring value lies in
+    [-2**31, 2**31) (module docstring); exact there, in dealer mode by a 32-bit table-driven sign
+    test, otherwise by ``mpc.nonnegative.nonnegative``."""
+    if not supported():
+        return 1 - nonnegative(x)
+    _, rank, _ = _context()
+    share = x.share
+    shape = share.shape
+    n = share.numel()
+    if n == 0:  # no material, no rounds (the dealer refuses empty requests)
+        return crypten.mpc.MPCTensor.from_shares(torch.zeros(shape, dtype=torch.long), precision=0)
+    # the low 32 bits of each 64-bit share: a 32-bit sharing of x mod 2**32, no communication
+    u = share.reshape(-1).numpy().astype(np.uint32)
+    bit = plane_to_arith(_negative_bits(u, rank), n, min(n, 64))
+    return crypten.mpc.MPCTensor.from_shares(bit.reshape(shape), precision=0)
 
 
 def _and_rows(bits: np.ndarray, rank: int) -> torch.Tensor:

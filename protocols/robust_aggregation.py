@@ -27,10 +27,16 @@ pseudocode differs: it clamps the unclipped g and keeps |g| >= lambda where eq. 
 How it is computed (the same steps on both backends; bits are 0/1 values, exact integers in
 2PC):
 
-1. one comparison call for all K x D entries: [g >= 0], [lambda_k >= g], [g >= -lambda_k]; one
-   zero test [g == 0]. Hence sgn(g), keep+ = [g > lambda_k] and keep- = [g < -lambda_k]
-   (for lambda_k >= 0 their sum is the sparsification bit of eq. 10, split by the sign of g).
-2. CRISE: omega~ = S S^T (S = sgn(G), integers), its signs, w, t = w^T S, s = sgn(t).
+Every comparison on a value that scales with D is a *bounded* sign test [v < 0]
+(``mpc.table_compare.negative_bounded``: 32-bit ring, dealer-made tables, 11.75 bytes online),
+exact for ring integers in [-2**31, 2**31); the ranges below keep every tested value there.
+
+1. one bounded sign-test call for all K x D entries: [g < 0], [-g < 0], [lambda_k - g < 0],
+   [g + lambda_k < 0]. Hence sgn(g) = [-g < 0] - [g < 0] (no zero test), keep+ = [g > lambda_k]
+   and keep- = [g < -lambda_k] (for lambda_k >= 0 their sum is the sparsification bit of eq. 10,
+   split by the sign of g).
+2. CRISE: omega~ = S S^T (S = sgn(G), integers, |omega~| <= D), its signs, w, t = w^T S
+   (|t| <= K^2), s = sgn(t), each sign two bounded tests.
 3. agreement: delta+ = [s = +1] keep+, delta- = [s = -1] keep-; delta = delta+ + delta-. This
    is eq. 7's I(s g_ddot > 0): g_ddot has the sign of g (clipping scales by a positive
    factor, clamping keeps the sign) and is non-zero exactly where g is kept and mu^j > 0. Where
@@ -42,8 +48,9 @@ How it is computed (the same steps on both backends; bits are 0/1 values, exact 
    delta s so that position m = (K-1)//2 holds mu^j, the positions below hold values <= mu^j
    and those above values >= mu^j. Then sum_k delta_k min(mu, x_k) s =
    sum_{i<m} (delta s)_(i) x_(i) + mu sum_{i>=m} (delta s)_(i): one multiplication.
-6. division by the count n^j = sum_k delta_k in {0..K}: one-hot of n^j by K zero tests, then
-   1/n^j is a public combination of the bits (exact up to 2**-33 relative), 0 for n^j = 0.
+6. division by the count n^j = sum_k delta_k in {0..K}: K bounded tests [n^j >= i], i = 1..K;
+   1/n^j = sum_i [n^j >= i] (w_i - w_{i-1}) with w_i = round(2**32 / i), w_0 = 0, a public
+   combination of the bits (exact up to 2**-33 relative), 0 for n^j = 0.
 
 Where lambda_k comes from
 -------------------------
@@ -54,7 +61,8 @@ the fixed-point values, so it lies on the grid and is exact) and uploads it as a
 the update, as Starfish's clients already upload their delta (DESIGN.md 3.2). A Byzantine
 client could lie (lambda = 0 keeps everything, a huge one drops everything), so the servers
 check it with :func:`check_thresholds`, which opens one bit per client and nothing else; a
-client that fails can be left out of the round.
+client that fails can be left out of the round. The check also pins lambda_k to [0, 2**14)
+(the bounded sign tests' range).
 
 We use the *lower* order statistic lambda_k = v_(f), f = floor(gamma (D - 1)), of the sorted
 |g_k| (torch.quantile(..., interpolation="lower")). The sparsification set {|g| > lambda} is
@@ -62,8 +70,11 @@ then exactly the one of the linearly interpolated quantile of the authors' code
 (torch.quantile's default): that lambda lies in [v_(f), v_(f+1)] and no value lies strictly
 between the two order statistics. The check pins lambda_k = v_(f) exactly (also with ties):
 n_gt = #{|g| > lambda} <= D - 1 - f and n_ge = #{|g| >= lambda} >= D - f hold together iff
-lambda = v_(f), and lambda >= 0 is checked too (a negative lambda would pass the squared test
-below and keep every coordinate).
+lambda = v_(f). They are counted from the bounded tests [g > lambda], [g < -lambda] (n_gt, the
+two are disjoint for lambda >= 0) and [g < lambda], [g > -lambda] (n_ge = 2D - their sum, exact
+for lambda > 0; for lambda = 0 it reads D + #{g = 0} >= D - f, which passes as the true n_ge = D
+does), and 0 <= lambda < 2**14 is tested in the 64-bit ring on the K values (outside, the
+32-bit counts may be wrong; the range bit fails the client whatever they say).
 
 BRACE (``papers/brace.txt`` eq. 1)
 ----------------------------------
@@ -81,39 +92,45 @@ client (its threshold is right or not).
 
 Cost per call (2PC, dealer mode), measured per coordinate where it scales with D
 ----------------------------------------------------------------------------------
-A comparison is the sign test of ``mpc.nonnegative`` (8 rounds, 75.25 bytes online both
-directions); a zero test is ``mpc.nonnegative.below_power_of_two`` on 2x (8 rounds, 63 AND gates:
-47.75 bytes); a multiplication opens 2 x 8 bytes per party (32 bytes both directions; products
-by bits and integer products need no truncation, fixed-point ones one truncation round of 16
-bytes). C(K) = comparators of the pruned partition network (4 for K=3, 27 for K=10, 84 for
-K=20); C'(K) those of the median-only network (same counts up to K=20).
+A bounded test is ``mpc.table_compare.negative_bounded`` (9 rounds, 11.75 bytes online both
+directions, about 41 bytes of dealer material); a comparison the 64-bit sign test of
+``mpc.nonnegative`` (8 rounds, 75.25 bytes), only on K-sized values here; a zero test
+``mpc.nonnegative.below_power_of_two`` on 2x (8 rounds, 47.75 bytes), only in the clip factors; a
+multiplication opens 2 x 8 bytes per party (32 bytes both directions; products by bits and
+integer products need no truncation, fixed-point ones one truncation round of 16 bytes).
+C(K) = comparators of the pruned partition network (4 for K=3, 27 for K=10, 84 for K=20); C'(K)
+those of the median-only network (same counts up to K=20).
 
-============================  ======================  ===================  ==================
-step                          comparisons             zero tests           multiplications
-============================  ======================  ===================  ==================
-signs, keep+/-  (fedseca)     3 K D                   K D                  --
-CRISE                         K^2 + K + D             K^2 + D              S S^T, w^T S (3 K D
-                                                                           openings), K
-agreement bits                --                      --                   2 K D
-norms, clip factors           30 K + C'(K) + K        31 K                 K D (squares) + ~40 K
-x = c |g|                     --                      --                   2 K D (+ K D trunc.)
-partition network             C(K) D                  --                   C(K) D (2 values)
-clamped sum                   --                      --                   ((K-1)//2 + 1) D
-division by the count         --                      K D                  D (+ D trunc.)
-brace_sign                    K D + D                 K D                  --
-check_thresholds              2 K D + 3 K             --                   K D (squares) + 2 K
-============================  ======================  ===================  ==================
+============================  ==================  ===============  ============================
+step                          bounded tests       64-bit tests     multiplications
+============================  ==================  ===============  ============================
+signs, keep+/-  (fedseca)     4 K D               --               --
+CRISE                         2 K^2 + K + 2 D     --               S S^T, w^T S (3 K D
+                                                                   openings), K
+agreement bits                --                  --               2 K D
+norms, clip factors           --                  ~31 K + C'(K),   K D (squares) + ~40 K
+                                                  31 K zero tests
+x = c |g|                     --                  --               2 K D (+ K D trunc.)
+partition network             C(K) D              --               C(K) D (2 values)
+clamped sum                   --                  --               ((K-1)//2 + 1) D
+division by the count         K D                 --               D (+ D trunc.)
+brace_sign                    2 K D + D           --               --
+check_thresholds              4 K D               4 K              3 K
+============================  ==================  ===============  ============================
 
-Measured (K = 20, ``python -m bench.robust_aggregation``, online bytes both directions per
-coordinate): signs 5.5 KB, crise 1.1 KB, agree 0.7 KB, clip 1.6 KB, clamp (the network)
-10.7 KB, divide 1.0 KB: 20.5 KB for ``fedseca``, 2.5 KB for ``brace_sign``, 3.3 KB for
-``check_thresholds``; dealer material about 0.4 times that. Rounds do not depend on D while a
-comparison call stays below :data:`MAX_BATCH` elements (398 for ``fedseca`` at K = 20, 24 for
-``brace_sign``, one more to open either; 20 for ``check_thresholds``); larger calls are split,
-8 rounds per extra piece (587 rounds for ``fedseca`` + check + opening at D = 582,026). docs/protocols.md has the tables.
+Measured (K = 20, D = 582,026, ``python -m bench.robust_aggregation --clients 20 --dim 582026
+--aggregator fedseca --check-thresholds --profile lan``; online bytes both directions per
+coordinate, 64-bit comparisons before -> bounded tests now): signs 5.5 -> 0.94 KB, crise 1.1 ->
+0.98 KB, agree 0.67 KB, clip 1.6 KB, clamp (the network) 10.7 -> 5.3 KB (of which the exchange
+products 4.0 KB), divide 1.0 -> 0.28 KB: 20.5 -> 10.8 KB for ``fedseca``; ``check_thresholds``
+3.3 -> 0.94 KB; ``brace_sign`` 2.5 -> 0.50 KB. Dealer material rose (the tables: 32 bytes per
+test): 13.4 KB per coordinate for ``fedseca`` + check (9.4 KB before). Rounds do not depend on D
+while a call stays below :data:`MAX_BATCH` elements; larger calls are split, 9 rounds per extra
+piece (668 rounds for ``fedseca`` + check + opening at D = 582,026, 434 at D = 100,000).
+docs/protocols.md has the tables and the seconds.
 
-Why not ``protocols.division``. The count n^j is an integer in 0..K: its one-hot costs K zero
-tests (960 bytes at K = 20) and gives 1/n^j exactly, where ``divide`` costs 34 comparisons and 9
+Why not ``protocols.division``. The count n^j is an integer in 0..K: its K bounded tests cost
+235 bytes at K = 20 and give 1/n^j exactly, where ``divide`` costs 34 comparisons and 9
 multiplications per element (about 2.9 KB) for 2**-15 relative accuracy. The clip factor needs
 tau / ||g_k||, i.e. square roots, which ``protocols`` has no primitive for; from the exact ring
 value of ||g_k||^2 the normalised inverse square root below keeps ~14 significant bits for every
@@ -135,13 +152,16 @@ clamped sum are exact on those x, and the division adds one unit. So
 median and min are 1-Lipschitz, so each clamped value is off by at most the largest error of
 an x; so is their mean); the tests allow twice that, 2 (2**-12 max_k |g_k^j| + 2**-16) + 2**-16. mu^j is exact when no client is clipped (c_k = 1: x = |g| exactly).
 
-Ranges (2PC): |g| < 2**14 (x = c |g| is formed as a 48-bit product), ||g||^2 < 2**30 (its raw
-ring value must stay below 2**62), 0 <= lambda < 2**15 (squared in the check). The upload range
-check (``protocols.upload_range``: |g| < 2**10, ||g|| < 2**14 with the norm consistency test,
-delta in a window, by default) gives the first two; lambda_k should travel in that check's delta
-slot. Outside the range results are wrong, never revealing: e.g. a lambda that wraps when
-squared can pass the check only as a positive value of at least 2**16 ((lambda - v)(lambda + v)
-must vanish mod 2**64 in the ring), above every |g|: it sparsifies away that client's own update.
+Ranges (2PC): |g| < 2**14 (x = c |g| is formed as a 48-bit product; every bounded test then
+sees |v| < 2**15, ring integers inside [-2**31, 2**31)), ||g||^2 < 2**30 (its raw ring value must
+stay below 2**62), 0 <= lambda < 2**14 (lambda -+ g is tested with 32 bits; an honest lambda is
+some |g|, below 2**14; :func:`check_thresholds` fails any other). The upload range check
+(``protocols.upload_range``: |g| < 2**10, ||g|| < 2**14 with the norm consistency test, delta in
+a window, by default) gives the first two; lambda_k should travel in that check's delta slot.
+Outside the range results are wrong, never revealing (only one-time-padded values are opened):
+an unchecked lambda outside [0, 2**14) can only make wrong keep bits in its own client's row,
+i.e. change which of that client's coordinates count and with which sign, each still clamped
+by mu (what a Byzantine client can do with its update anyway).
 """
 
 from __future__ import annotations
@@ -154,6 +174,7 @@ from typing import Any, Callable, ContextManager, NamedTuple, Optional, Sequence
 import torch
 
 from mpc.nonnegative import below_power_of_two, nonnegative
+from mpc.table_compare import BOUND, negative_bounded
 
 from . import backend as B
 from .backend import Tensor
@@ -188,6 +209,8 @@ _POW4 = 30
 _RSQRT_A, _RSQRT_B, _RSQRT_STEPS = 1.066, 0.152, 3
 # Fractional bits of the clip factors and of 1/count.
 _HI = 32
+# Thresholds must lie in [0, 2**14) (ring integers below 2**30) for the bounded sign tests.
+_LAM_LIMIT = 1 << 30
 #: elements per comparison call: larger calls are split, so a party's memory stays bounded
 #: (about 150 bytes of masks, planes and triples per compared element) at 8 rounds per piece
 MAX_BATCH = 1 << 22
@@ -271,9 +294,12 @@ def partition_network(n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     return tuple(tuple(layer) for layer in layers if layer)
 
 
-def _run_network(layers, keys: list, payloads: Sequence[list] = ()) -> tuple[list, list]:
+def _run_network(layers, keys: list, payloads: Sequence[list] = (), bounded: bool = False
+                 ) -> tuple[list, list]:
     """Apply comparator layers to rows: ``keys[i]`` are tensors of one shape, payload rows move
     with their keys. Per layer one comparison call and one exchange multiplication.
+    ``bounded``: every difference of two keys lies in [-2**31, 2**31) as ring integers, so the
+    32-bit sign test (:func:`_neg`) decides the swaps; otherwise the 64-bit one.
 
     Shared components are relabelled to one fixed-point label (ring integers unchanged) so that
     the exchange, which stacks all components, does not rescale integers or bits: the exchange
@@ -292,7 +318,7 @@ def _run_network(layers, keys: list, payloads: Sequence[list] = ()) -> tuple[lis
         hi = [j for _, j in layer]
         a = B.stack([keys[i] for i in lo])
         b = B.stack([keys[j] for j in hi])
-        swap = 1 - _ge(b, a)  # the larger value moves up
+        swap = _neg(b - a) if bounded else 1 - _ge(b, a)   # the larger value moves up
         pa = [B.stack([p[i] for i in lo]) for p in pays]
         pb = [B.stack([p[j] for j in hi]) for p in pays]
         na, nb = compare_exchange(swap, [a] + pa, [b] + pb)
@@ -338,6 +364,16 @@ def _ge(x: Tensor, y: Tensor) -> Tensor:
     return _batched(nonnegative, diff)
 
 
+def _neg(x: Tensor) -> Tensor:
+    """[x < 0] for a value whose *ring integer* (its encoding) lies in [-2**31, 2**31): the
+    32-bit table-driven sign test of :func:`mpc.table_compare.negative_bounded` (dealer mode;
+    the 64-bit test otherwise), exact there. Callers keep to that domain by construction."""
+    if not B.is_shared(x):
+        x = torch.as_tensor(x)
+        return (x < 0).to(B.float_dtype(x, x))
+    return _batched(negative_bounded, x)
+
+
 def _is_zero(x: Tensor) -> Tensor:
     """[x == 0] as a bit. 2PC: 2x < 2 read unsigned, i.e. 2x = 0 in the ring, i.e. x = 0 (or
     x = 2**63, outside every range): one ``below_power_of_two`` test (63 AND gates)."""
@@ -347,8 +383,11 @@ def _is_zero(x: Tensor) -> Tensor:
 
 
 def _sign(x: Tensor) -> Tensor:
-    """sgn(x) in {-1, 0, 1} (sgn(0) = 0): one comparison and one zero test."""
-    return _ge(x, 0) * 2 - 1 - _is_zero(x)
+    """sgn(x) in {-1, 0, 1} (sgn(0) = 0) = [-x < 0] - [x < 0]: two bounded sign tests in one call,
+    so the ring integer of x must lie in (-2**31, 2**31)."""
+    n = int(x.shape[0])
+    bits = _neg(B.cat([-x, x]))
+    return bits[:n] - bits[n:]
 
 
 def _rows(x: Tensor) -> list:
@@ -409,6 +448,8 @@ def _thresholds_column(G: Tensor, thresholds: Optional[Tensor], gamma: float) ->
     lam = _f64(thresholds)
     if bool((lam < 0).any()) or not bool(torch.isfinite(lam).all()):
         raise ValueError("thresholds must be finite and non-negative (lambda_k is a quantile of |g_k|)")
+    if B.is_shared(G) and bool((lam >= 2.0 ** 14).any()):
+        raise ValueError("on shares thresholds must be below 2**14 (the bounded sign tests' range)")
     return lam.unsqueeze(1)
 
 
@@ -478,7 +519,8 @@ def _clamped_sum(x: Tensor, signed: Tensor) -> tuple[Tensor, Tensor]:
         xs, order = torch.sort(x, dim=0, stable=True)
         ds = signed.gather(0, order)
         return (ds[:m] * xs[:m]).sum(0) + xs[m] * ds[m:].sum(0), xs[m]
-    xs, (ds,) = _run_network(partition_network(K), _rows(x), [_rows(signed)])
+    # keys x = c |g| in [0, 2**14 (1 + 2**-12)): their differences are 32-bit ring integers
+    xs, (ds,) = _run_network(partition_network(K), _rows(x), [_rows(signed)], bounded=True)
     upper = ds[m]
     for i in range(m + 1, K):
         upper = upper + ds[i]
@@ -492,10 +534,12 @@ def _divide_by_count(num: Tensor, count: Tensor, K: int) -> Tensor:
         safe = torch.where(count > 0, count, torch.ones_like(count))
         return torch.where(count > 0, num / safe, torch.zeros_like(num))
     js = torch.arange(1, K + 1, dtype=torch.long).unsqueeze(1)
-    onehot = _is_zero(count.unsqueeze(0) - js)              # [count == j], (K, D)
-    weights = torch.tensor([round(2.0 ** _HI / j) for j in range(1, K + 1)],
-                           dtype=torch.long).unsqueeze(1)
-    inv = (onehot * weights).sum(0)                          # 1/count at 32 bits (ring integers)
+    at_least = 1 - _neg(count.unsqueeze(0) - js)             # [count >= j], (K, D), |.| <= K
+    # 1/count = sum_j [count >= j] (w_j - w_{j-1}), w_j = round(2**32 / j), w_0 = 0: the
+    # telescoping sum leaves w_count (0 for count = 0), the ring integer a one-hot would pick
+    w = [0] + [round(2.0 ** _HI / j) for j in range(1, K + 1)]
+    steps = torch.tensor([w[j] - w[j - 1] for j in range(1, K + 1)], dtype=torch.long).unsqueeze(1)
+    inv = (at_least * steps).sum(0)                          # 1/count at 32 bits (ring integers)
     raw = B.relabel(num, 0) * inv
     return B.rescale(B.relabel(raw, B.bits_of(num) + _HI), B.frac_bits())
 
@@ -521,24 +565,27 @@ class FedsecaParts(NamedTuple):
 
 
 def _signs_and_keeps(G: Tensor, lam: Tensor):
-    """One comparison call: [g >= 0], [lambda >= g], [g >= -lambda]; one zero test."""
+    """One bounded sign-test call: [g < 0], [-g < 0], [lambda - g < 0], [g + lambda < 0].
+
+    |g| < 2**14 and 0 <= lambda < 2**14 keep every tested value inside |.| < 2**15, i.e. ring
+    integers inside the 32-bit test's domain. Returns ([g < 0], sgn(g), keep+, keep-)."""
     K = int(G.shape[0])
-    bits = _ge(B.cat([G, (-G) + lam, G + lam]), 0)
-    nonneg, not_above, not_below = bits[:K], bits[K:2 * K], bits[2 * K:]
-    zero = _is_zero(G)
-    S = nonneg * 2 - 1 - zero
-    return nonneg, S, 1 - not_above, 1 - not_below
+    bits = _neg(B.cat([G, -G, (-G) + lam, G + lam]))
+    neg, pos = bits[:K], bits[K:2 * K]
+    return neg, pos - neg, bits[2 * K:3 * K], bits[3 * K:]
 
 
 def _crise(S: Tensor):
     """(weights w = K rho, [s = +1], [s = -1]) from the sign matrix S (K x D integers)."""
-    omega = S.matmul(S.t()) if B.is_shared(S) else S @ S.T
-    v = _sign(omega).sum(1)
-    w = _ge(v, 0) * v
-    t = w.unsqueeze(0).matmul(S).squeeze(0) if B.is_shared(S) else w @ S
-    pos = _ge(t, 0)
-    zero = _is_zero(t)
-    return w, pos - zero, 1 - pos
+    K, D = int(S.shape[0]), int(S.shape[1])
+    if D >= BOUND or K * K >= BOUND:
+        raise ValueError(f"CRISE's bounded sign tests need D < 2**31 and K**2 < 2**31, got K={K}, D={D}")
+    omega = S.matmul(S.t()) if B.is_shared(S) else S @ S.T    # integers, |omega| <= D
+    v = _sign(omega).sum(1)                                    # |v| <= K
+    w = (1 - _neg(v)) * v
+    t = w.unsqueeze(0).matmul(S).squeeze(0) if B.is_shared(S) else w @ S   # |t| <= K**2
+    bits = _neg(B.cat([-t, t]))
+    return w, bits[:D], bits[D:]
 
 
 def fedseca_parts(G: Tensor, *, gamma: float = FEDSECA_GAMMA, thresholds: Optional[Tensor] = None,
@@ -561,7 +608,7 @@ def fedseca_parts(G: Tensor, *, gamma: float = FEDSECA_GAMMA, thresholds: Option
         return FedsecaParts(empty, empty, torch.zeros(K, dtype=torch.float64), z2, z2, empty,
                             ones, empty, lam.reshape(K))
     with meter("signs"):
-        nonneg, S, keep_pos, keep_neg = _signs_and_keeps(G, lam)
+        neg, S, keep_pos, keep_neg = _signs_and_keeps(G, lam)
     with meter("crise"):
         w, s_pos, s_neg = _crise(S)
     with meter("agree"):
@@ -570,7 +617,7 @@ def fedseca_parts(G: Tensor, *, gamma: float = FEDSECA_GAMMA, thresholds: Option
         signed = agree_pm[0] - agree_pm[1]          # delta s
         count = agree.sum(0)
     with meter("clip"):
-        absg = (nonneg * 2 - 1) * G
+        absg = (1 - neg * 2) * G
         c = _clip_factors(G)
         x = _scale_rows(c, absg)
     with meter("clamp"):
@@ -634,10 +681,14 @@ def brace_sign(G: Tensor, *, lam: float = BRACE_LAMBDA, meter: Optional[Meter] =
     G = _prepare(G)
     if int(G.shape[1]) == 0:
         return torch.zeros(0, dtype=torch.float64)
+    K = int(G.shape[0])
     with meter("signs"):
         total = _sign(G).sum(0)
     with meter("vote"):
-        up = 1 - _ge(math.floor(float(lam)), total)
+        # total is in -K..K: a threshold outside [-K-1, K] decides alike once clamped there,
+        # which keeps floor(lam) - total inside the bounded test's domain
+        L = min(max(math.floor(float(lam)), -K - 1), K)
+        up = _neg((-total) + L)                   # [total > L]
     return up * 2 - 1
 
 
@@ -647,11 +698,12 @@ def check_thresholds(G: Tensor, thresholds: Tensor, gamma: float = FEDSECA_GAMMA
     """Public bool per client: is lambda_k exactly the order statistic v_(f) of |g_k|?
 
     f = floor(gamma (D - 1)) (:func:`quantile_rank`). True iff lambda_k >= 0,
-    #{j: |g_k^j| > lambda_k} <= D - 1 - f and #{j: |g_k^j| >= lambda_k} >= D - f. 2PC: one
-    square round (g and lambda, untruncated: exact on the encodings), one comparison call for
-    the 2 K D coordinate tests, one for the 3 K per-client tests, two AND rounds, one opening
-    of K bits, nothing else. D = 0: every claim passes (nothing to sparsify). ``meter``: the
-    whole check is the step "check".
+    #{j: |g_k^j| > lambda_k} <= D - 1 - f and #{j: |g_k^j| >= lambda_k} >= D - f. 2PC also
+    requires lambda_k < 2**14 (an honest one is some |g| < 2**14, module docstring "Ranges"): one
+    call of 4 K D bounded sign tests (module docstring, "Where lambda_k comes from"), one of the
+    4 K per-client 64-bit tests, three product rounds, one opening of K bits, nothing else.
+    D = 0: every claim passes (nothing to sparsify). ``meter``: the whole check is the step
+    "check".
     """
     with (meter or _no_meter)("check"):
         return _check_thresholds(G, thresholds, gamma)
@@ -674,11 +726,16 @@ def _check_thresholds(G: Tensor, thresholds: Tensor, gamma: float) -> torch.Tens
         return (lam >= 0) & (n_gt <= D - 1 - f) & (n_ge >= D - f)
     lam = B.to_shared_like(thresholds if B.is_shared(thresholds) else _f64(thresholds))
     G = B.to_shared_like(G)
-    sq = B.raw_square(B.cat([G, lam.unsqueeze(1)], dim=1))
-    g2, l2 = sq[:, :D], sq[:, D:]
-    bits = _ge(B.cat([l2.expand(K, D), g2]), B.cat([g2, l2.expand(K, D)]))
-    n_gt = D - bits[:K].sum(1)               # not [lambda^2 >= g^2]
-    n_ge = bits[K:].sum(1)
-    tests = _ge(B.cat([(D - 1 - f) - n_gt, n_ge - (D - f), B.relabel(lam, 0)]), 0)
-    ok = tests[:K] * tests[K:2 * K] * tests[2 * K:]
+    col = lam.unsqueeze(1)
+    # [g > lam], [g < -lam], [g < lam], [g > -lam]: bounded sign tests, exact while |g| < 2**14
+    # and 0 <= lam < 2**14 (the range test below; outside it the counts may be wrong, but the
+    # range bit fails the client whatever they say)
+    bits = _neg(B.cat([(-G) + col, G + col, G - col, (-G) - col]))
+    n_gt = (bits[:K] + bits[K:2 * K]).sum(1)            # the two events are disjoint for lam >= 0
+    # #{-lam < g < lam} = sum ([g < lam] + [g > -lam] - 1) for lam > 0; for lam = 0 it reads
+    # -#{g = 0} instead of 0, so n_ge reads D + #{g = 0} >= D - f: it passes as it should
+    n_ge = 2 * D - (bits[2 * K:3 * K] + bits[3 * K:]).sum(1)
+    raw = B.relabel(lam, 0)
+    tests = _ge(B.cat([(D - 1 - f) - n_gt, n_ge - (D - f), raw, (_LAM_LIMIT - 1) - raw]), 0)
+    ok = tests[:K] * tests[K:2 * K] * tests[2 * K:3 * K] * tests[3 * K:]
     return B.reveal(ok).to(torch.bool)

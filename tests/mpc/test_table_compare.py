@@ -130,3 +130,62 @@ def test_the_dealer_tables_describe_every_chunk(r):
                 assert (word >> v) & 1 == (v < chunk)
                 assert (word >> (16 + v)) & 1 == (v == chunk)
         assert int(tables[7, i]) >> 31 == value >> 31
+
+
+# ------------------------------------------------------------------ negative_bounded
+BOUND = 2**31                 # exact for ring values in [-2**31, 2**31)
+EDGES = [-BOUND, -BOUND + 1, -1, 0, 1, BOUND - 2, BOUND - 1]
+
+
+@st.composite
+def bounded_case(draw):
+    shape = draw(st.sampled_from([(0,), (1,), (7,), (64,), (65,), (3, 43), (2, 2, 33)]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-BOUND, BOUND, size=shape, dtype=np.int64)
+    flat = x.reshape(-1)
+    if flat.size:
+        # the domain's edges, zero and ties (equal values, as a difference of equal keys gives 0)
+        picks = draw(st.lists(st.sampled_from(EDGES + ["small"]), max_size=8))
+        for k, p in enumerate(picks):
+            flat[(5 * k) % flat.size] = rng.integers(-4, 5) if p == "small" else p
+    return x, draw(MASKS), seed
+
+
+@pytest.mark.timeout(600)
+@given(batch=st.lists(bounded_case(), min_size=1, max_size=8))
+@example(batch=[(np.array(EDGES, dtype=np.int64), "uniform", 1), (np.array(EDGES, dtype=np.int64), "min", 2),
+                (np.array(EDGES, dtype=np.int64), "all", 3), (np.array(EDGES, dtype=np.int64), "zero", 4)])
+def test_negative_bounded_matches_numpy_on_its_whole_domain(pair, batch):
+    cases = [split(x, how, np.random.default_rng(seed)) for x, how, seed in batch]
+    r0, r1 = pair.call(tcp.negatives, cases)
+    for (g0, shape0, nbytes, _), (g1, _, _, _), (x, _, _) in zip(r0, r1, batch):
+        np.testing.assert_array_equal(g0, g1)
+        assert shape0 == x.shape
+        np.testing.assert_array_equal(g0, (x < 0).astype(np.int64))    # 0/1 ring integers
+
+
+def test_negative_bounded_cost_per_element(pair):
+    rng = np.random.default_rng(5)
+    x = rng.integers(-BOUND, BOUND, size=64 * 300, dtype=np.int64)
+    r0, _ = pair.call(tcp.negatives, [split(x, "uniform", rng)])
+    got, _, nbytes, rounds = r0[0]
+    np.testing.assert_array_equal(got, (x < 0).astype(np.int64))
+    # 2 x 4 bytes (c) + 7 AND gates x 4 bits + 2 bits (conversion) = 11.75 bytes
+    assert nbytes / x.size <= 12.5, nbytes / x.size
+    assert rounds == 9
+
+
+def test_negative_bounded_falls_back_in_two_party_mode():
+    """Without a dealer there are no tables: the 64-bit sign test gives the same bits."""
+    from mpc.party_pair import PartyPair
+
+    rng = np.random.default_rng(8)
+    x = np.concatenate([np.array(EDGES, dtype=np.int64), rng.integers(-BOUND, BOUND, size=70, dtype=np.int64)])
+    with PartyPair(offline="two-party", timeout=120.0) as tp:
+        assert list(tp.call(tcp.supported)) == [False, False]
+        r0, r1 = tp.call(tcp.negatives, [split(x, "uniform", rng), split(x, "min", rng)])
+    for (got, shape, _, _), (got1, _, _, _) in zip(r0, r1):
+        np.testing.assert_array_equal(got, got1)
+        assert shape == x.shape
+        np.testing.assert_array_equal(got, (x < 0).astype(np.int64))

@@ -431,6 +431,24 @@ def test_check_thresholds_2pc_matches_twin(pair):
         np.testing.assert_array_equal(got, oracle_check(case["g"], case["lam"], case["gamma"]))
 
 
+def test_check_thresholds_2pc_rejects_thresholds_outside_the_bounded_range(pair):
+    """The check's coordinate tests are 32-bit sign tests, exact for 0 <= lambda < 2**14; outside,
+    the range test must fail the client. lambda = 2**16 (ring integer 2**32) and 2**31 read as 0
+    mod 2**32, where lambda = 0 is the true quantile (gamma = 0, a zero coordinate): the counts
+    alone would pass them."""
+    top = 2.0 ** 14 - LSB
+    g = np.array([[0.0, top, -1.0, 2.0], [0.0, -top, 3.0, LSB]])
+    cases = [{"g": g, "lam": np.array([0.0, 0.0]), "gamma": 0.0},           # honest: v_(0) = 0
+             {"g": g, "lam": np.array([2.0 ** 16, 2.0 ** 31]), "gamma": 0.0},
+             {"g": g, "lam": np.array([top, top]), "gamma": 1.0},           # honest: the edge
+             {"g": g, "lam": np.array([2.0 ** 14, -LSB]), "gamma": 1.0}]
+    out0, out1 = pair.call(rap.check_cases, cases)
+    assert [o.tolist() for o in out0] == [[True, True], [False, False], [True, True], [False, False]]
+    for case, got, got1 in zip(cases, out0, out1):
+        np.testing.assert_array_equal(got, got1)
+        np.testing.assert_array_equal(got, oracle_check(case["g"], case["lam"], case["gamma"]))
+
+
 def test_2pc_rounds_do_not_grow_with_d(pair):
     """All K x D comparisons go in one call (below MAX_BATCH elements): the rounds of an
     aggregation depend on K only, and nothing is opened on the way (no extra round)."""
