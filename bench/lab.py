@@ -416,7 +416,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     rows = result["results"]
-    names = [r["method"].replace(" (with target)", "\n(with target)") for r in rows]
+    names = [r["method"].replace(" (with target)", "\n(with target)")
+             + ("\n(diverged)" if r.get("diverged") else "") for r in rows]
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
     for ax, (key, title, pct) in zip(axes, [("ter", "TER (%)", True), ("ba_asr", "BA-ASR (%)", True),
                                             ("mia_asr", "MIA-ASR (%)", True), ("arp", "ARP (%)", False)]):
