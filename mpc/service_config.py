@@ -23,7 +23,7 @@ from typing import Any
 
 from . import tls
 
-__all__ = ["ConfigError", "Endpoint", "ServerSection", "DealerSection", "ModelSection",
+__all__ = ["ConfigError", "AGGREGATORS", "BRACE_CLIENTS", "Endpoint", "ServerSection", "DealerSection", "ModelSection",
            "FLSection", "UnlearningSection", "LimitsSection", "ClientsSection",
            "ServiceConfig", "load_config", "render_config", "write_scratch_deployment",
            "free_loopback_ports"]
@@ -100,6 +100,16 @@ class FLSection:
     server_lr: float = 0.3           # eta in M_i = M_{i-1} - eta * sum_j w_j g_j (digits default)
     precision: int = 16              # fractional bits of the clients' fixed-point encoding
     range_check: bool = True         # check every upload's range in 2PC before its round closes
+    # How a round's uploads become M_i (docs/service.md, "Robust aggregation"): "fedavg" (the
+    # exact ring sum), or a Byzantine-robust rule run by both servers in 2PC at round close.
+    aggregator: str = "fedavg"       # fedavg | fedseca | brace-sign
+    # The rules' parameters, repeated from protocols.robust_aggregation and servers.lab.aggregators
+    # (this module must not import them; a test keeps them equal).
+    fedseca_gamma: float = 0.9       # FedSECA Sec. 5: lambda_k is the gamma-quantile of |g_k|
+    fedseca_beta: float = 0.5        # FedSECA eq. 11: server momentum beta_ra
+    brace_lambda: float = 5.0        # BRACE Sec. 5.1: lambda for 100 clients; K clients use 5 K / 100
+    brace_scale: float = 0.5         # BRACE step of FL round t: server_lr * scale / t**decay per coordinate
+    brace_decay: float = 0.5         # 0 = the paper's fixed step
 
 
 @dataclass(frozen=True)
@@ -156,6 +166,11 @@ class ClientsSection:
     poll_interval: float = 0.05      # seconds between polls of the servers when idle
     retry_seconds: float = 120.0     # how long a request is retried while a server restarts
 
+
+#: ``[fl] aggregator``: FedAvg on the ring, or a Byzantine-robust rule computed in 2PC
+AGGREGATORS = ("fedavg", "fedseca", "brace-sign")
+#: BRACE's lambda is given for this many clients (its Sec. 5.1 runs n = 100)
+BRACE_CLIENTS = 100
 
 #: where a 2PC session's correlated randomness comes from (docs/design.md 4.3): "dealer" (a third,
 #: non-colluding process) or "two-party" (no third party: the servers make it between themselves)
@@ -232,6 +247,25 @@ def _check(cfg: ServiceConfig) -> None:
     need(cfg.fl.round_deadline > 0, "[fl] round_deadline must be > 0 seconds")
     need(math.isfinite(cfg.fl.server_lr) and cfg.fl.server_lr > 0, "[fl] server_lr must be > 0")
     need(1 <= cfg.fl.precision <= 30, "[fl] precision must be 1..30 fractional bits")
+    fl = cfg.fl
+    need(fl.aggregator in AGGREGATORS,
+         f"[fl] aggregator must be one of {', '.join(AGGREGATORS)}, got {fl.aggregator!r}")
+    # the robust rules' 2PC is exact only inside the ranges the range check guarantees
+    # (protocols/robust_aggregation.py, "Ranges"), so it cannot be switched off under them
+    need(fl.aggregator == "fedavg" or fl.range_check,
+         f"[fl] aggregator = {fl.aggregator!r} needs range_check = true (its 2PC relies on the "
+         "ranges that check guarantees)")
+    need(fl.aggregator == "fedavg" or fl.precision == 16,
+         f"[fl] aggregator = {fl.aggregator!r} needs precision = 16 (the robust rules' 2PC is "
+         "written for CrypTen's 16 fractional bits)")
+    need(0 <= fl.fedseca_gamma < 1, "[fl] fedseca_gamma must be in [0, 1) (FedSECA's sparsification "
+                                    "quantile; the paper uses 0.9)")
+    need(0 <= fl.fedseca_beta < 1, "[fl] fedseca_beta must be in [0, 1) (server momentum; the paper "
+                                   "uses 0.5, 0 = none)")
+    need(math.isfinite(fl.brace_lambda), "[fl] brace_lambda must be a finite number")
+    need(math.isfinite(fl.brace_scale) and fl.brace_scale > 0, "[fl] brace_scale must be > 0")
+    need(math.isfinite(fl.brace_decay) and fl.brace_decay >= 0,
+         "[fl] brace_decay must be >= 0 (0 = a fixed step)")
     u = cfg.unlearning
     need(0 < u.sigma <= 1, "[unlearning] sigma must be in (0, 1]")
     need(0 <= u.alpha <= 1, "[unlearning] alpha must be in [0, 1]")

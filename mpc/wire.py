@@ -148,10 +148,11 @@ REQUESTS: Mapping[str, _Schema] = {
     "get_model": _Schema({}, {"round": _int(0, 2**31 - 1)}),
     # public data of a committed round: participants, weights
     "round_info": _Schema({"round": _ROUND}, {}),
-    # this client's shares of g, ||g||, delta for the open round, and |D_j| in the clear
+    # this client's shares of g, ||g||, delta for the open round, and |D_j| in the clear;
+    # ``threshold``: its share of FedSECA's lambda_k, required (only) where fl.aggregator = fedseca
     "upload": _Schema({"round": _ROUND, "update": _tensor_map, "norm": _tensor_map,
                        "delta": _tensor_map, "num_samples": _int(1, 2**31 - 1),
-                       "nonce": _NONCE}, {}),
+                       "nonce": _NONCE}, {"threshold": _tensor_map}),
     # unlearning of the caller's own data (clients) or of any targets (admin)
     "unlearn": _Schema({"job": _string(JOB_ID_RE), "nonce": _NONCE},
                        {"targets": _int_list(MAX_TARGETS)}),

@@ -31,6 +31,8 @@ import ssl
 import threading
 from collections.abc import Callable
 
+import numpy as np
+
 from mpc import tls, wire
 from mpc.admission import Admission, Refused, refuse
 from mpc.channel import KIND_OBJECT, Channel, ChannelError, PeerTimeout, ProtocolError, accept_loop
@@ -240,7 +242,10 @@ class ClientAPI:
         return {"round": i, "kind": self.store.round_kind(i), "job": meta.get("job"),
                 "participants": parts, "weights": [w[j] for j in parts],
                 "num_samples": [int(sizes.get(str(j), 0)) for j in parts],
-                "erased": list(meta.get("erased", [])), "refused": list(meta.get("refused", []))}
+                "erased": list(meta.get("erased", [])), "refused": list(meta.get("refused", [])),
+                # rounds committed before the key existed were FedAvg
+                "aggregator": meta.get("aggregator", "fedavg") if self.store.round_kind(i) == "fl" else None,
+                "threshold_refused": list(meta.get("threshold_refused", []))}
 
     def _op_status(self, who: str, f: dict) -> dict:
         T = self.store.num_rounds
@@ -278,6 +283,7 @@ class ClientAPI:
         update = wire.decode_share(f["update"], "update", (dim,), self.party)
         norm = wire.decode_share(f["norm"], "norm", (), self.party)
         delta = wire.decode_share(f["delta"], "delta", (), self.party)
+        threshold = self._threshold_share(f.get("threshold"))
         n = f["num_samples"]
         cap = self.max_num_samples()
         if n > cap:
@@ -290,10 +296,26 @@ class ClientAPI:
                                              f"num_samples {prev}, not {n}")
         if prev != n:
             self.state.set_size(r, cid, n)
-        stored = self.store.stage_upload(r, cid, update, norm, delta)
+        stored = self.store.stage_upload(r, cid, update, norm, delta, threshold=threshold)
         checkpoint("upload-staged")
         self.rounds.wake()
         return {"round": r, "stored": stored}
+
+    def _threshold_share(self, field: dict | None) -> np.ndarray | bytes | None:
+        """FedSECA's lambda_k share: required where ``fl.aggregator`` is fedseca, refused elsewhere
+        (so every other deployment's uploads are what they always were)."""
+        aggregator = self.cfg.fl.aggregator
+        if aggregator == "fedseca":
+            if field is None:
+                raise wire.WireError("bad_request", "this deployment aggregates with fedseca "
+                                     "(fl.aggregator): an upload needs `threshold`, the client's share "
+                                     f"of lambda_k (the {self.cfg.fl.fedseca_gamma:g}-quantile of its "
+                                     "encoded |g|)")
+            return wire.decode_share(field, "threshold", (), self.party)
+        if field is not None:
+            raise wire.WireError("bad_request", f"this deployment aggregates with {aggregator} "
+                                 "(fl.aggregator) and takes no `threshold`")
+        return None
 
     # ------------------------------------------------------------------ unlearning requests and jobs
     def _fl_clients(self) -> frozenset[int]:

@@ -2,17 +2,19 @@
 
 Server 0 sends one request at a time (``servers.peer_link``); server 1 answers:
 
-===============  ==================  ===============================================
-op               request             reply
-===============  ==================  ===============================================
-``state``        :class:`GetState`   :class:`PeerState` (rounds, staged uploads, jobs)
-``check_round``  :class:`CheckRound` no fields (server 1 joins the range check's session)
-``close_round``  :class:`CloseRound` :class:`RoundShare` (server 1's share sum, digest)
-``job_start``    :class:`JobStart`   no fields
-``job_fail``     :class:`JobFail`    no fields
-``job_adopt``    :class:`AdoptJob`   :class:`Confirmation` (server 1's erasure report)
-``job_receipt``  :class:`JobReceipt` no fields
-===============  ==================  ===============================================
+======================  =========================  ===========================================================
+op                      request                    reply
+======================  =========================  ===========================================================
+``state``               :class:`GetState`          :class:`PeerState` (rounds, staged uploads, jobs)
+``check_round``         :class:`CheckRound`        no fields (server 1 joins the range check's session)
+``close_round``         :class:`CloseRound`        :class:`RoundShare` (server 1's share sum, digest)
+``aggregate_round``     :class:`AggregateRound`    no fields (server 1 joins the robust aggregation's session)
+``close_robust_round``  :class:`CloseRobustRound`  :class:`ModelDigest` (server 1's model digest)
+``job_start``           :class:`JobStart`          no fields
+``job_fail``            :class:`JobFail`           no fields
+``job_adopt``           :class:`AdoptJob`          :class:`Confirmation` (server 1's erasure report)
+``job_receipt``         :class:`JobReceipt`        no fields
+======================  =========================  ===========================================================
 
 Each message is a frozen dataclass; ``to_wire()`` gives the fields of its msgpack map and
 ``from_wire()`` rebuilds it, checking every field's type (and the invariants a message must
@@ -40,7 +42,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .job_records import JobRecord
 
 __all__ = ["GetState", "PeerState", "LastRound", "JobRow", "CloseRound", "RoundShare", "JobStart",
-           "JobFail", "CheckRound", "AdoptJob", "Confirmation", "JobReceipt", "PeerRequest", "parse_request",
+           "JobFail", "CheckRound", "AggregateRound", "CloseRobustRound", "ModelDigest", "AdoptJob",
+           "Confirmation", "JobReceipt", "PeerRequest", "parse_request",
            "params_key", "MAX_JOB_ROWS", "MAX_RECEIPT_BYTES"]
 
 #: Server 1 reports at most this many of its most recent jobs.
@@ -313,6 +316,77 @@ class RoundShare:
         return cls(_tensor(g("share"), "share", dim), _str(g("model_sha256"), "model_sha256"))
 
 
+@dataclass(frozen=True)
+class AggregateRound:
+    """Server 0 asks server 1 to join the robust aggregation (``[fl] aggregator``) of these
+    uploads of the open round: a 2PC session after the range check; server 1 answers at once
+    and runs its side in a thread."""
+
+    OP: ClassVar[str] = "aggregate_round"
+    round: int
+    participants: tuple[int, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"round": self.round, "participants": list(self.participants)}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> AggregateRound:
+        g = _fields(msg, "aggregate_round")
+        return cls(_int(g("round"), "round", 1), _int_list(g("participants"), "participants"))
+
+
+@dataclass(frozen=True)
+class CloseRobustRound:
+    """Server 0 closes a robustly aggregated round: the participants whose shares entered the
+    aggregate (sorted, unique, non-empty) with their |D_j|, the clients the range check
+    (``refused``) and FedSECA's threshold check (``threshold_refused``) left out, and the
+    SHA-256 of the aggregate the session opened. No share sum travels: under a robust rule the
+    FedAvg sum is not public."""
+
+    OP: ClassVar[str] = "close_robust_round"
+    round: int
+    participants: tuple[int, ...]
+    sizes: tuple[int, ...]
+    aggregate_sha256: str
+    refused: tuple[int, ...] = ()
+    threshold_refused: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        parts = list(self.participants)
+        if parts != sorted(set(parts)) or len(self.sizes) != len(parts) or not parts:
+            raise ValueError("participants must be sorted, unique, non-empty, one size each")
+
+    def sizes_by_client(self) -> dict[int, int]:
+        return dict(zip(self.participants, self.sizes))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"round": self.round, "participants": list(self.participants),
+                "sizes": list(self.sizes), "aggregate_sha256": self.aggregate_sha256,
+                "refused": list(self.refused), "threshold_refused": list(self.threshold_refused)}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> CloseRobustRound:
+        g = _fields(msg, "close_robust_round")
+        return cls(_int(g("round"), "round", 1), _int_list(g("participants"), "participants"),
+                   _int_list(g("sizes"), "sizes"), _str(g("aggregate_sha256"), "aggregate_sha256"),
+                   _int_list(g("refused"), "refused"),
+                   _int_list(g("threshold_refused"), "threshold_refused"))
+
+
+@dataclass(frozen=True)
+class ModelDigest:
+    """Server 1's reply to :class:`CloseRobustRound`: the digest of the model it committed."""
+
+    model_sha256: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"model_sha256": self.model_sha256}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> ModelDigest:
+        return cls(_str(_fields(msg, "close_robust_round reply")("model_sha256"), "model_sha256"))
+
+
 # ------------------------------------------------------------------ jobs
 @dataclass(frozen=True)
 class JobStart:
@@ -409,7 +483,8 @@ class JobReceipt:
         return cls(_str(g("job"), "job"), _json_map(g("receipt"), "receipt"))
 
 
-PeerRequest = GetState | CloseRound | CheckRound | JobStart | JobFail | AdoptJob | JobReceipt
+PeerRequest = (GetState | CloseRound | CheckRound | AggregateRound | CloseRobustRound | JobStart
+               | JobFail | AdoptJob | JobReceipt)
 
 
 def parse_request(op: str, msg: Mapping[str, Any], dim: int) -> PeerRequest:
@@ -420,6 +495,10 @@ def parse_request(op: str, msg: Mapping[str, Any], dim: int) -> PeerRequest:
         return CloseRound.from_wire(msg, dim)
     if op == CheckRound.OP:
         return CheckRound.from_wire(msg)
+    if op == AggregateRound.OP:
+        return AggregateRound.from_wire(msg)
+    if op == CloseRobustRound.OP:
+        return CloseRobustRound.from_wire(msg)
     if op == JobStart.OP:
         return JobStart.from_wire(msg)
     if op == JobFail.OP:

@@ -41,8 +41,8 @@ from .correction_tasks import TaskBoard
 from .crash_points import checkpoint, install_crash_points
 from .job_scheduler import JobScheduler
 from .peer_link import PeerClient, PeerServer
-from .peer_messages import (AdoptJob, CheckRound, CloseRound, GetState, JobFail, JobReceipt, JobStart,
-                            parse_request)
+from .peer_messages import (AdoptJob, AggregateRound, CheckRound, CloseRobustRound, CloseRound, GetState,
+                            JobFail, JobReceipt, JobStart, parse_request)
 from .round_coordinator import RoundCoordinator
 from .service_state import ServiceState
 from .share_store import ShareStore
@@ -147,6 +147,11 @@ class ServerDaemon:
         if isinstance(req, CheckRound):
             self.rounds.follow_check(req)
             return {}
+        if isinstance(req, AggregateRound):
+            self.rounds.follow_aggregate(req)
+            return {}
+        if isinstance(req, CloseRobustRound):
+            return self.rounds.follow_close_robust(req).to_wire()
         if isinstance(req, JobStart):
             self.jobs.follow_start(req)
         elif isinstance(req, JobFail):

@@ -1,4 +1,5 @@
-"""A server's small durable bookkeeping next to its history store: nonces and data sizes.
+"""A server's small durable bookkeeping next to its history store: nonces, data sizes and
+the opened aggregates of robust rounds.
 
 Why a separate file: the history store (``servers/share_store.py``) keeps shares and public
 rounds; it has no place for two facts the service needs across restarts:
@@ -7,7 +8,11 @@ rounds; it has no place for two facts the service needs across restarts:
   whose nonce is not larger than the last accepted one is refused, also after a restart);
 * |D_j|, the data size a client reported in the clear with its upload for the open round
   (FedAvg weights are |D_j| / sum |D_k| over the agreed participants; the servers compare
-  the values they each received and drop a client that reported two different sizes).
+  the values they each received and drop a client that reported two different sizes);
+* under a Byzantine-robust aggregator (``[fl] aggregator``), the aggregate the round's 2PC
+  session opened, until the round is committed: a crash between the session and the
+  commit then needs no second session (``servers.round_coordinator``). It is public (the
+  next model reveals it), so it needs no erasure.
 
 SQLite, WAL, ``synchronous=FULL``, ``secure_delete=ON`` (deleted rows are overwritten with
 zeros): a write that returned survives a crash. When an unlearning job forgets a client,
@@ -21,10 +26,14 @@ store's idempotent staging / job creation instead).
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import threading
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 __all__ = ["ServiceState"]
 
@@ -32,6 +41,8 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS nonces (identity TEXT PRIMARY KEY, last INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS upload_sizes (round INTEGER NOT NULL, client INTEGER NOT NULL,
     num_samples INTEGER NOT NULL, PRIMARY KEY (round, client));
+CREATE TABLE IF NOT EXISTS opened_aggregates (round INTEGER PRIMARY KEY, record TEXT NOT NULL,
+    vector BLOB NOT NULL);
 """
 
 
@@ -88,9 +99,28 @@ class ServiceState:
         return {int(c): int(n) for c, n in rows}
 
     def forget_rounds_before(self, round_: int) -> None:
-        """Sizes of committed rounds live in the round's metadata; drop the sidecar copies."""
+        """Sizes of committed rounds live in the round's metadata, their opened aggregates in
+        the models; drop the sidecar copies."""
         with self._lock:
             self._conn.execute("DELETE FROM upload_sizes WHERE round < ?", (round_,))
+            self._conn.execute("DELETE FROM opened_aggregates WHERE round < ?", (round_,))
+
+    # ------------------------------------------------------------------ opened aggregates
+    def put_opened(self, round_: int, record: dict[str, Any], vector: np.ndarray) -> None:
+        """Durably keep what a robust round's 2PC session opened (replacing an earlier attempt)."""
+        data = np.ascontiguousarray(vector, dtype="<f8").tobytes()
+        with self._lock:
+            self._conn.execute("INSERT OR REPLACE INTO opened_aggregates(round, record, vector) "
+                               "VALUES (?, ?, ?)", (round_, json.dumps(record, sort_keys=True), data))
+
+    def opened(self, round_: int) -> tuple[dict[str, Any], np.ndarray] | None:
+        """The record and vector kept by :meth:`put_opened` for ``round_``, or None."""
+        with self._lock:
+            row = self._conn.execute("SELECT record, vector FROM opened_aggregates WHERE round = ?",
+                                     (round_,)).fetchone()
+        if row is None:
+            return None
+        return json.loads(row[0]), np.frombuffer(row[1], dtype="<f8").astype(np.float64)
 
     def forget_client(self, client: int) -> int:
         """Delete every size row of ``client`` (an unlearning job forgot it); return how many.

@@ -355,7 +355,9 @@ class ShareStore(ErasureLog, StagingArea, JobRecords):
         if missing:
             raise StagingError(f"cannot commit round {i}: participants {missing} have no staged "
                                "upload")
-        self._write_round(i, model_blob, parts, w, {j: staged[j] for j in parts}, meta_json, [])
+        # a staged threshold (FedSECA's lambda_k) served the round's close; the round keeps
+        # update, norm and delta only
+        self._write_round(i, model_blob, parts, w, {j: staged[j][:3] for j in parts}, meta_json, [])
         return True
 
     # ---------------------------------------------------------------- checking

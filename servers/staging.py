@@ -35,13 +35,14 @@ log = logging.getLogger("starfish.store")
 class StagingArea(StoreCatalog):
     """The staged uploads of a store (a part of :class:`servers.share_store.ShareStore`)."""
 
-    def _staged_rows(self, i: int) -> dict[int, tuple[str, str, str]]:
+    def _staged_rows(self, i: int) -> dict[int, tuple[str, ...]]:
+        """client -> (update, norm, delta[, threshold]) refs of round i's staged uploads."""
         assert self._conn is not None
         out = {}
-        for j, u, n, d, h in self._conn.execute(
-                "SELECT client, update_ref, norm_ref, delta_ref, upload_hash FROM staged "
-                "WHERE round = ? ORDER BY client", (i,)):
-            refs = (str(u), str(n), str(d))
+        for j, u, n, d, h, t in self._conn.execute(
+                "SELECT client, update_ref, norm_ref, delta_ref, upload_hash, threshold_ref "
+                "FROM staged WHERE round = ? ORDER BY client", (i,)):
+            refs = (str(u), str(n), str(d)) + (() if t is None else (str(t),))
             if Upload(refs).digest != h:
                 raise CatalogCorruptError(f"{self.root}: staged upload of client {j} for round "
                                           f"{i} does not match its hash")
@@ -66,8 +67,8 @@ class StagingArea(StoreCatalog):
             raise StagingError(f"round {i} is not open; the open round is {self._T + 1}")
 
     @locked
-    def stage_upload(self, round: int, client: int, update: Any, norm: Any, delta: Any, *,
-                     replace: bool = False) -> bool:
+    def stage_upload(self, round: int, client: int, update: Any, norm: Any, delta: Any,
+                     threshold: Any = None, *, replace: bool = False) -> bool:
         """Durably stage one client's upload for the open round T+1.
 
         Returns True when stored, False when the identical upload was already staged (a
@@ -75,11 +76,13 @@ class StagingArea(StoreCatalog):
         StagingConflictError unless ``replace`` is True; a forgotten client (not
         re-enrolled) raises ForgottenClientError. When this returns, the upload
         survives a crash; a crash before it returns leaves either nothing or the whole
-        upload staged.
+        upload staged. ``threshold``: FedSECA's lambda_k share, staged with the upload (the
+        same upload with another threshold is a different upload).
         """
         i = check.round_no(round)
         j = check.client_id(client)
-        up = check.upload(ClientShares(update, norm, delta), f"client {j}", self._party, self._dim)
+        up = check.upload(ClientShares(update, norm, delta), f"client {j}", self._party, self._dim,
+                          threshold)
         self._refuse_forgotten([j])
         self._check_open_round(i)
         old = self._staged_rows(i).get(j)
@@ -94,9 +97,11 @@ class StagingArea(StoreCatalog):
         self.blobs.put_many(up.blobs)
         self._checkpoint_hook("staged-blob-durable")
         with self._txn() as c:
+            u, n, d = up.refs[:3]
+            t = up.refs[3] if len(up.refs) > 3 else None
             c.execute("INSERT OR REPLACE INTO staged(round, client, update_ref, norm_ref, delta_ref, "
-                      "upload_hash, staged_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                      (i, j, *up.refs, up.digest, time.time()))
+                      "upload_hash, staged_at, threshold_ref) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                      (i, j, u, n, d, up.digest, time.time(), t))
             self._checkpoint_hook("staged-in-transaction")
         self._checkpoint_hook("staged-committed")
         if old is not None:
@@ -129,6 +134,18 @@ class StagingArea(StoreCatalog):
         return ClientShares(self._materialize(refs[0], (self._dim,), where + " update"),
                             self._materialize(refs[1], (), where + " norm"),
                             self._materialize(refs[2], (), where + " delta"))
+
+    @locked
+    def staged_threshold(self, round: int, client: int) -> Any:
+        """The staged FedSECA threshold share of one client (int64, shape ()), or None if its
+        upload has none."""
+        i, j = check.round_no(round), check.client_id(client)
+        refs = self._staged_rows(i).get(j)
+        if refs is None:
+            raise KeyError(f"client {j} has no staged upload for round {i}")
+        if len(refs) < 4:
+            return None
+        return self._materialize(refs[3], (), f"staged round {i} client {j} threshold")
 
     @locked
     def drop_staged(self, round: int, client: int | None = None) -> tuple[int, ...]:

@@ -147,7 +147,7 @@ class StoreCatalog:
         with self._txn() as c:
             added = create_or_migrate(c)
         if added and existed:
-            log.warning("history store %s: catalog migrated (jobs columns added: %s)",
+            log.warning("history store %s: catalog migrated (columns added: %s)",
                         self.root, ", ".join(added))
         if not existed:
             _blobs.fsync_dir(self.root)

@@ -16,7 +16,7 @@ import json
 import sqlite3
 from collections.abc import Mapping, Sequence
 
-__all__ = ["SCHEMA", "JOB_COLUMNS_ADDED", "create_or_migrate", "round_hash"]
+__all__ = ["SCHEMA", "JOB_COLUMNS_ADDED", "STAGED_COLUMNS_ADDED", "create_or_migrate", "round_hash"]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(
@@ -44,6 +44,7 @@ CREATE TABLE IF NOT EXISTS staged(
     delta_ref TEXT NOT NULL,
     upload_hash TEXT NOT NULL,
     staged_at REAL NOT NULL,
+    threshold_ref TEXT,
     PRIMARY KEY(round, client)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS jobs(
     id TEXT PRIMARY KEY,
@@ -85,18 +86,25 @@ JOB_COLUMNS_ADDED: tuple[tuple[str, str], ...] = (
 )
 
 
+#: Columns of ``staged`` added since: FedSECA's lambda_k share (NULL in every other upload).
+STAGED_COLUMNS_ADDED: tuple[tuple[str, str], ...] = (
+    ("threshold_ref", "TEXT"),
+)
+
+
 def create_or_migrate(conn: sqlite3.Connection) -> list[str]:
-    """Create the missing tables and add the missing ``jobs`` columns (inside the caller's
-    transaction); return the columns added."""
+    """Create the missing tables and add the missing ``jobs`` and ``staged`` columns (inside
+    the caller's transaction); return the columns added (as ``table.column``)."""
     for stmt in SCHEMA.split(";"):
         if stmt.strip():
             conn.execute(stmt)
-    have = {str(r[1]) for r in conn.execute("PRAGMA table_info(jobs)")}
     added = []
-    for name, decl in JOB_COLUMNS_ADDED:
-        if name not in have:
-            conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {decl}")
-            added.append(name)
+    for table, columns in (("jobs", JOB_COLUMNS_ADDED), ("staged", STAGED_COLUMNS_ADDED)):
+        have = {str(r[1]) for r in conn.execute(f"PRAGMA table_info({table})")}
+        for name, decl in columns:
+            if name not in have:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
+                added.append(f"{table}.{name}")
     return added
 
 

@@ -72,10 +72,12 @@ class ClientShares:
 class Upload:
     """Validated shares of one client, ready for the catalog.
 
-    ``refs`` are the catalog's text form: ``blob:<digest>``, ``seed:<hex>``, ``int:<n>``.
+    ``refs`` are the catalog's text form: ``blob:<digest>``, ``seed:<hex>``, ``int:<n>``;
+    update, norm, delta and, if given, the threshold (so an upload without one hashes as
+    before).
     """
 
-    refs: tuple[str, str, str]
+    refs: tuple[str, ...]
     blobs: list[EncodedBlob] = field(default_factory=list)
 
     @property
@@ -133,8 +135,13 @@ def _share_ref(value: Any, what: str, party: int, dim: int | None) -> tuple[str,
     return f"blob:{blob.digest}", blob
 
 
-def upload(shares: ClientShares, who: str, party: int, dim: int) -> Upload:
-    """One client's three shares (a ClientShares or a 3-tuple) as catalog references."""
+def upload(shares: ClientShares, who: str, party: int, dim: int, threshold: Any = None) -> Upload:
+    """One client's shares (a ClientShares or a 3-tuple) as catalog references.
+
+    ``threshold``: FedSECA's lambda_k share (a scalar), only in a staged upload of a
+    deployment aggregating with FedSECA; it serves the round's close and is not kept in the
+    committed round.
+    """
     if not isinstance(shares, ClientShares):
         if isinstance(shares, tuple) and len(shares) == 3:
             shares = ClientShares(*shares)
@@ -144,11 +151,14 @@ def upload(shares: ClientShares, who: str, party: int, dim: int) -> Upload:
     u, ub = _share_ref(shares.update, f"{who} update share", party, dim)
     n, _ = _share_ref(shares.norm, f"{who} norm share", party, None)
     d, _ = _share_ref(shares.delta, f"{who} delta share", party, None)
-    seeds = [r for r in (u, n, d) if r.startswith("seed:")]
+    refs = (u, n, d)
+    if threshold is not None:
+        refs += (_share_ref(threshold, f"{who} threshold share", party, None)[0],)
+    seeds = [r for r in refs if r.startswith("seed:")]
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"{who}: the same seed is used for two shares; each value needs its "
                          "own seed (a reused seed leaks the difference of the values)")
-    return Upload((u, n, d), [ub] if ub is not None else [])
+    return Upload(refs, [ub] if ub is not None else [])
 
 
 def client_id(value: Any, what: str = "client id") -> int:

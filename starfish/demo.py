@@ -20,6 +20,12 @@ What it does (docs/design.md 4.4, issue 6):
    (recomputed from its key and the twin) and stops every process it started, also on
    Ctrl-C or failure.
 
+``starfish demo --aggregator fedseca|brace-sign`` runs the same with a Byzantine-robust rule
+computed by the two servers in 2PC at every round's close (``[fl] aggregator``): the FL models
+are then checked against the rule run in the clear on the decoded uploads, the report adds the
+rule's per-round 2PC cost, and retraining uses the same rule (Stage II replays the history as
+FedAvg, docs/unlearning.md).
+
 ``starfish demo --runtime`` is the older demonstration of the 2PC runtime alone.
 """
 
@@ -49,9 +55,12 @@ from clients.share_seeds import disk_traces, find_traces, seeded_shares
 from clients.simulator import build_federation
 from mpc import tls, wire
 from mpc.channel import ChannelError
-from mpc.service_config import load_config, write_scratch_deployment
+from mpc.encoding import decode, encode
+from mpc.service_config import AGGREGATORS, BRACE_CLIENTS, load_config, write_scratch_deployment
+from protocols.robust_aggregation import brace_sign
 from protocols.starfish import run_stage2
 from protocols.starfish.ports import History, history_prefix
+from servers.lab.aggregators import BraceSign, FedSECA
 from servers.lab.history import NpzHistory
 from servers.lab.metrics import l2_distance
 from servers.lab.recovery import FedRecover, Retrain
@@ -107,6 +116,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline", choices=("dealer", "two-party"), default="dealer",
                    help="where correlated randomness comes from: a dealer process (default) or "
                         "nobody: the two servers make it between themselves (no third process)")
+    p.add_argument("--aggregator", choices=AGGREGATORS, default="fedavg",
+                   help="how each round's uploads become the next model: fedavg (default: the exact "
+                        "ring sum) or a Byzantine-robust rule the two servers compute in 2PC at every "
+                        "round's close (fedseca, brace-sign; [fl] aggregator)")
     p.add_argument("--clients", type=int, default=20, help="simulated clients (20)")
     p.add_argument("--rounds", type=int, default=40, help="FL rounds before the request (40)")
     p.add_argument("--after", type=int, default=5, help="FL rounds after the adoption (5)")
@@ -283,8 +296,9 @@ def _baselines(cfg: Any, full: History, rounds: int, n: int, target: int, model_
     with bar("Starfish, plaintext twin") as b:
         plain = run_stage2(None, twin, [target], starfish_params(cfg), _Plain(), progress=progress.callback(b))
     t_plain = time.perf_counter() - t
-    with bar("retrain, plaintext") as b:
-        retrained, c_re = Retrain().unlearn(twin, [target], fed.clients, progress=progress.callback(b))
+    with bar("retrain, plaintext") as b:   # with the rule FL used: what FL without the target gives
+        retrained, c_re = Retrain(aggregator=_lab_rule(cfg.fl)).unlearn(twin, [target], fed.clients,
+                                                                       progress=progress.callback(b))
     with bar("FedRecover, plaintext") as b:
         recovered, c_fr = FedRecover(buffer=cfg.unlearning.buffer, beta=cfg.unlearning.beta,
                                      warmup=cfg.unlearning.buffer).unlearn(twin, [target], fed.clients,
@@ -306,6 +320,79 @@ def _baselines(cfg: Any, full: History, rounds: int, n: int, target: int, model_
     extra = {"plain_selected": plain.selected_rounds,
              "max_abs_2pc_vs_plain": float((m2pc - plain.model.to(torch.float64)).abs().max())}
     return table, extra
+
+
+def _lab_rule(fl: Any) -> FedSECA | BraceSign | None:
+    """The lab's plaintext rule for the deployment's aggregator (None: FedAvg), for retraining.
+
+    The lab's BRACE uses lambda = 5 K / 100 for K voters: the service's with the demo's default
+    ``brace_lambda`` (5).
+    """
+    if fl.aggregator == "fedseca":
+        return FedSECA(gamma=fl.fedseca_gamma, beta=fl.fedseca_beta)
+    if fl.aggregator == "brace-sign":
+        return BraceSign(lam=None, scale=fl.brace_scale, decay=fl.brace_decay)
+    return None
+
+
+def _robust_twin_error(cfg: Any, twin: History) -> float:
+    """Max |published M_i - M_{i-1} + eta d_i| over the FL rounds, d_i the deployment's robust rule
+    run in the clear on the clients' *decoded uploads* (what the servers' shares add up to):
+    FedSECA with its momentum (restarted after an unlearning round), or BRACE's vote with the step
+    of FL round t. Each round starts from the published M_{i-1}, so errors do not compound."""
+    fl = cfg.fl
+    seca = FedSECA(gamma=fl.fedseca_gamma, beta=fl.fedseca_beta)
+    brace = BraceSign(scale=fl.brace_scale, decay=fl.brace_decay)
+    worst, t = 0.0, 0
+    prev = twin.model(0).to(torch.float64)
+    for i in range(1, twin.num_rounds + 1):
+        model = twin.model(i).to(torch.float64)
+        parts = list(twin.participants(i))
+        if not parts:            # an unlearning round: the adopted model, no momentum step
+            seca.reset()
+            prev = model
+            continue
+        t += 1
+        rows = {j: torch.from_numpy(decode(encode(twin.update(i, j).numpy(), fl.precision), fl.precision))
+                for j in parts}
+        if fl.aggregator == "fedseca":
+            direction = seca.direction(rows, {})
+        else:
+            g = torch.stack([rows[j] for j in parts])
+            vote = brace_sign(g, lam=fl.brace_lambda * len(parts) / BRACE_CLIENTS)
+            direction = brace.step_scale(t) * vote
+        worst = max(worst, float((model - (prev - twin.server_lr * direction)).abs().max()))
+        prev = model
+    return worst
+
+
+#: server 0's log line for each robust round (``servers.round_coordinator``)
+_AGG_LINE = re.compile(r"round (\d+) aggregated by (\S+) in 2PC: (\d+) clients checked, (\d+) kept; "
+                       r"online_bytes=(\d+) offline_bytes=(\d+) rounds=(\d+) seconds=([\d.]+)")
+
+
+def _aggregation_costs(log_dir: Path) -> dict[str, float] | None:
+    """Mean per-round cost of the robust aggregation sessions, from both servers' logs (the
+    last session of each round, i.e. the one its model came from). Online: server 0's count
+    (both directions of the server link); offline: both servers' dealer links, as in the job's
+    table."""
+    per_round: list[dict[int, tuple]] = []
+    for p in (0, 1):
+        path = log_dir / f"server{p}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        per_round.append({int(m.group(1)): m.groups() for m in _AGG_LINE.finditer(text)})
+    rounds = sorted(per_round[0])
+    if not rounds:
+        return None
+    n = len(rounds)
+    first = [per_round[0][r] for r in rounds]
+    offline = sum(int(per_round[p][r][5]) for p in (0, 1) for r in rounds if r in per_round[p])
+    return {"rounds_aggregated": n,
+            "dropped": sum(int(x[2]) - int(x[3]) for x in first),
+            "online_bytes": sum(int(x[4]) for x in first) / n,
+            "offline_bytes": offline / n,
+            "online_rounds": sum(int(x[6]) for x in first) / n,
+            "seconds": sum(float(x[7]) for x in first) / n}
 
 
 def _erasure_scan(cfg: Any, twin: History, target: int, control: int) -> tuple[int, int, int]:
@@ -347,15 +434,19 @@ def _ranges(rounds: list[int]) -> str:
 def run_service_demo(args: argparse.Namespace) -> int:
 
     t_start = time.monotonic()
+    aggregator = getattr(args, "aggregator", "fedavg")
     if args.timeout is None:
         args.timeout = 1800.0 if args.offline == "two-party" else 540.0
+        if aggregator != "fedavg":   # one more 2PC session per round (docs/service.md)
+            args.timeout *= 2
     deadline = t_start + args.timeout
     temp = args.workdir is None
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="starfish-demo-"))
     target = 0
     _say(f"[1/5] keys and config for a loopback deployment in {work}")
     cfg_path = write_scratch_deployment(work, clients=args.clients, overrides={
-        "fl": {"rounds": args.rounds + args.after, "round_deadline": 120.0}}, offline=args.offline)
+        "fl": {"rounds": args.rounds + args.after, "round_deadline": 120.0, "aggregator": aggregator}},
+        offline=args.offline)
     cfg = load_config(cfg_path)
     procs = ProcessGroup(work / "logs")
     ok = False
@@ -409,9 +500,25 @@ def run_service_demo(args: argparse.Namespace) -> int:
         table, extra = _baselines(cfg, twin, res0["rounds"], args.clients, target, recs[0]["model"],
                                   getattr(args, "quiet", False))
         _say("[5/5] report\n")
-        _say(f"FL: {summary['T']} rounds ({summary['T'] - 1} FL rounds and 1 unlearning round), "
-             f"{args.clients} clients; every FL model equals plaintext FedAvg of the clients' "
-             f"updates within {summary['fedavg_max_abs_error']:.1e}")
+        if aggregator == "fedavg":
+            _say(f"FL: {summary['T']} rounds ({summary['T'] - 1} FL rounds and 1 unlearning round), "
+                 f"{args.clients} clients, aggregator fedavg; every FL model equals plaintext FedAvg of "
+                 f"the clients' updates within {summary['fedavg_max_abs_error']:.1e}")
+        else:
+            robust_err = _robust_twin_error(cfg, twin)
+            _say(f"FL: {summary['T']} rounds ({summary['T'] - 1} FL rounds and 1 unlearning round), "
+                 f"{args.clients} clients, aggregator {aggregator} (computed by the servers in 2PC); "
+                 f"every FL model equals {aggregator} run in the clear on the decoded uploads within "
+                 f"{robust_err:.1e}")
+            costs = _aggregation_costs(work / "logs")
+            if costs:
+                _say(f"  robust aggregation per FL round (2PC session after the range check; mean of "
+                     f"{costs['rounds_aggregated']} rounds): {costs['online_bytes'] / 1e6:.2f} MB online, "
+                     f"{costs['offline_bytes'] / 1e6:.2f} MB offline, {costs['online_rounds']:.0f} rounds, "
+                     f"{costs['seconds']:.2f} s; clients left out by the threshold check: {costs['dropped']}")
+            _say(f"  note: Stage II replays this history as FedAvg (M_i = M_(i-1) - eta sum_j w_j g_j), "
+                 f"which differs from the {aggregator} rounds as they were (docs/unlearning.md); "
+                 f"retrain below uses {aggregator}")
         _say(f"unlearning job {job}: requested by client-{target}; both servers published the "
              f"{'same' if same else 'DIFFERENT'} model; 2PC vs plaintext twin: max |diff| = "
              f"{extra['max_abs_2pc_vs_plain']:.1e}\n")

@@ -42,7 +42,7 @@ INT_RANGES = {"round": (1, 2**31 - 1), "num_samples": (1, 2**31 - 1),
               "nonce": (1, wire.MAX_NONCE), "client": (0, 10**18)}
 OP_INT_RANGES = {("get_model", "round"): (0, 2**31 - 1)}     # model 0 is the initial one
 STRING_RES = {"job": r"[A-Za-z0-9_.-]{1,64}", "task": r"[A-Za-z0-9_.-]{1,64}/[0-9]{1,9}/[0-9]{1,9}"}
-TENSORS = ("update", "norm", "delta")
+TENSORS = ("update", "norm", "delta", "threshold")
 
 
 def int_range(op: str, name: str) -> tuple[int, int]:
