@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import lab, primitives, range_check, rs_switch, runtime, scaling, steps, truncation, unlearning
+from bench import (lab, primitives, range_check, robust_aggregation, rs_switch, runtime, scaling, steps,
+                   truncation, unlearning)
 from starfish import demo, key_commands, service_commands
 
 
@@ -64,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     bsc = bsub.add_parser("scaling", help="cost of one unlearning round vs clients, model size and rounds; PNG plots")
     scaling.add_arguments(bsc)
     bsc.set_defaults(func=lambda a: scaling.main(args=a))
+    bra = bsub.add_parser("aggregation", help="one FL round's Byzantine-robust aggregation in 2PC (FedSECA or "
+                                             "BRACE's sign vote), MNIST shapes: bytes, rounds, seconds per step")
+    robust_aggregation.add_arguments(bra)
+    bra.set_defaults(func=lambda a: robust_aggregation.main(args=a))
     return parser
 
 
