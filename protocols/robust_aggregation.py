@@ -125,7 +125,7 @@ coordinate, 64-bit comparisons before -> bounded tests now): signs 5.5 -> 0.94 K
 products 4.0 KB), divide 1.0 -> 0.28 KB: 20.5 -> 10.8 KB for ``fedseca``; ``check_thresholds``
 3.3 -> 0.94 KB; ``brace_sign`` 2.5 -> 0.50 KB. Dealer material rose (the tables: 32 bytes per
 test): 13.4 KB per coordinate for ``fedseca`` + check (9.4 KB before). Rounds do not depend on D
-while a call stays below :data:`MAX_BATCH` elements; larger calls are split, 9 rounds per extra
+while a call stays below ``comparator_networks.MAX_BATCH`` elements; larger calls are split, 9 rounds per extra
 piece (668 rounds for ``fedseca`` + check + opening at D = 582,026, 434 at D = 100,000).
 docs/protocols.md has the tables and the seconds.
 
@@ -168,17 +168,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-from functools import lru_cache
 from typing import Any, Callable, ContextManager, NamedTuple, Optional, Sequence
 
 import torch
 
-from mpc.nonnegative import below_power_of_two, nonnegative
-from mpc.table_compare import BOUND, negative_bounded
+from mpc.nonnegative import below_power_of_two
+from mpc.table_compare import BOUND
 
 from . import backend as B
 from .backend import Tensor
-from .compare import compare_exchange, select
+from .compare import select
+from .comparator_networks import (batcher_layers as _batcher_layers, batched as _batched,  # noqa: F401
+                                  ge as _ge, median_network, negative as _neg, partition_network,
+                                  run_network as _run_network)
 
 __all__ = [
     "fedseca",
@@ -211,125 +213,6 @@ _RSQRT_A, _RSQRT_B, _RSQRT_STEPS = 1.066, 0.152, 3
 _HI = 32
 # Thresholds must lie in [0, 2**14) (ring integers below 2**30) for the bounded sign tests.
 _LAM_LIMIT = 1 << 30
-#: elements per comparison call: larger calls are split, so a party's memory stays bounded
-#: (about 150 bytes of masks, planes and triples per compared element) at 8 rounds per piece
-MAX_BATCH = 1 << 22
-
-
-# --------------------------------------------------------------------------------- networks
-@lru_cache(maxsize=64)
-def _batcher_layers(n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Batcher's odd-even merge sort of n entries, min to the lower index of each pair.
-
-    Padded conceptually to a power of two with +inf sentinels after the n entries: a comparator
-    (i, j), i < j, that reaches a sentinel has it at j (or at both ends) and never moves it, so
-    those comparators are dropped.
-    """
-    size = 1 << max(1, math.ceil(math.log2(max(n, 2))))
-    layers = []
-    p = 1
-    while p < size:
-        k = p
-        while k >= 1:
-            layer = []
-            for j in range(k % p, size - k, 2 * k):
-                for i in range(min(k, size - j - k)):
-                    if (i + j) // (2 * p) == (i + j + k) // (2 * p):
-                        a, b = i + j, i + j + k
-                        if b < n:
-                            layer.append((a, b))
-            if layer:
-                layers.append(tuple(layer))
-            k //= 2
-        p *= 2
-    return tuple(layers)
-
-
-@lru_cache(maxsize=64)
-def median_network(n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Layers of comparators after which position (n-1)//2 holds the lower median.
-
-    Batcher's sorting network with every comparator removed whose outputs cannot reach that
-    position (a backward pass). Data-independent: the layers depend on n only.
-    """
-    need = {(n - 1) // 2}
-    kept = []
-    for layer in reversed(_batcher_layers(n)):
-        keep = tuple(c for c in layer if c[0] in need or c[1] in need)
-        for i, j in keep:
-            need.update((i, j))
-        if keep:
-            kept.append(keep)
-    return tuple(reversed(kept))
-
-
-@lru_cache(maxsize=64)
-def partition_network(n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Layers after which position m = (n-1)//2 holds the lower median, positions < m values
-    <= it and positions > m values >= it.
-
-    From Batcher's sorting network, repeatedly drop a comparator that is the last one on both of
-    its wires when both lie below m or both above m: it only reorders values inside one group,
-    and nothing after it looks at them. What is left keeps the groups (as multisets) and the
-    median of the full sort.
-    """
-    m = (n - 1) // 2
-
-    def group(i: int) -> int:
-        return (i > m) - (i < m)
-
-    layers = [list(layer) for layer in _batcher_layers(n)]
-    changed = True
-    while changed:
-        changed = False
-        for li in range(len(layers) - 1, -1, -1):
-            for c in list(layers[li]):
-                i, j = c
-                if group(i) != group(j) or group(i) == 0:
-                    continue
-                later = any(i in p or j in p for layer in layers[li + 1:] for p in layer)
-                if not later:
-                    layers[li].remove(c)
-                    changed = True
-    return tuple(tuple(layer) for layer in layers if layer)
-
-
-def _run_network(layers, keys: list, payloads: Sequence[list] = (), bounded: bool = False
-                 ) -> tuple[list, list]:
-    """Apply comparator layers to rows: ``keys[i]`` are tensors of one shape, payload rows move
-    with their keys. Per layer one comparison call and one exchange multiplication.
-    ``bounded``: every difference of two keys lies in [-2**31, 2**31) as ring integers, so the
-    32-bit sign test (:func:`_neg`) decides the swaps; otherwise the 64-bit one.
-
-    Shared components are relabelled to one fixed-point label (ring integers unchanged) so that
-    the exchange, which stacks all components, does not rescale integers or bits: the exchange
-    is exact integer arithmetic on the ring whatever the label says.
-    """
-    keys = list(keys)
-    pays = [list(p) for p in payloads]
-    bits = {}
-    if any(B.is_shared(k) for k in keys):
-        F = B.frac_bits()
-        bits = {"k": B.bits_of(keys[0]), "p": [B.bits_of(p[0]) for p in pays]}
-        keys = [B.relabel(k, F) for k in keys]
-        pays = [[B.relabel(v, F) for v in p] for p in pays]
-    for layer in layers:
-        lo = [i for i, _ in layer]
-        hi = [j for _, j in layer]
-        a = B.stack([keys[i] for i in lo])
-        b = B.stack([keys[j] for j in hi])
-        swap = _neg(b - a) if bounded else 1 - _ge(b, a)   # the larger value moves up
-        pa = [B.stack([p[i] for i in lo]) for p in pays]
-        pb = [B.stack([p[j] for j in hi]) for p in pays]
-        na, nb = compare_exchange(swap, [a] + pa, [b] + pb)
-        for idx, (i, j) in enumerate(layer):
-            keys[i], keys[j] = na[0][idx], nb[0][idx]
-            for c, p in enumerate(pays):
-                p[i], p[j] = na[c + 1][idx], nb[c + 1][idx]
-    if bits:
-        keys = [B.relabel(k, bits["k"]) for k in keys]
-        pays = [[B.relabel(v, pb) for v in p] for p, pb in zip(pays, bits["p"])]
-    return keys, pays
 
 
 # ------------------------------------------------------------------------------ small pieces
@@ -342,36 +225,6 @@ def _no_meter(_name: str) -> ContextManager[Any]:
 
 def _f64(x: Any) -> torch.Tensor:
     return torch.as_tensor(x).to(torch.float64)
-
-
-def _batched(test, x: Any) -> Any:
-    """``test`` (a shared-bit protocol) on ``x`` in calls of at most :data:`MAX_BATCH` elements."""
-    n = math.prod(tuple(x.shape))
-    if n <= MAX_BATCH:
-        return test(x)
-    shape = tuple(x.shape)
-    flat = x.reshape(-1)
-    parts = [test(flat[i:i + MAX_BATCH]) for i in range(0, n, MAX_BATCH)]
-    return B.cat(parts).reshape(shape)
-
-
-def _ge(x: Tensor, y: Tensor) -> Tensor:
-    """[x >= y] (:func:`protocols.compare.ge`'s sign test of x - y, in bounded batches)."""
-    if not B.any_shared(x, y):
-        x, y = torch.as_tensor(x), torch.as_tensor(y)
-        return (x >= y).to(B.float_dtype(x, y))
-    diff = x - y if B.is_shared(x) else (-y) + x
-    return _batched(nonnegative, diff)
-
-
-def _neg(x: Tensor) -> Tensor:
-    """[x < 0] for a value whose *ring integer* (its encoding) lies in [-2**31, 2**31): the
-    32-bit table-driven sign test of :func:`mpc.table_compare.negative_bounded` (dealer mode;
-    the 64-bit test otherwise), exact there. Callers keep to that domain by construction."""
-    if not B.is_shared(x):
-        x = torch.as_tensor(x)
-        return (x < 0).to(B.float_dtype(x, x))
-    return _batched(negative_bounded, x)
 
 
 def _is_zero(x: Tensor) -> Tensor:

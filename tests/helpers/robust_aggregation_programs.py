@@ -11,7 +11,7 @@ import torch
 
 from mpc.crypten_compat import crypten
 from protocols import backend as B
-from protocols import robust_aggregation as ra
+from protocols import comparator_networks
 from protocols.robust_aggregation import brace_sign, check_thresholds, fedseca_elected_signs, fedseca_parts
 
 
@@ -26,7 +26,7 @@ def _open(x) -> np.ndarray:
 def fedseca_cases(party, cases: list, max_batch: int | None = None) -> list:
     """``max_batch`` splits the comparison calls into pieces of that many elements."""
     if max_batch is not None:
-        ra.MAX_BATCH = max_batch
+        comparator_networks.MAX_BATCH = max_batch
     out = []
     for case in cases:
         g = _shared(case["g"], 0)
