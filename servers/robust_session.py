@@ -30,11 +30,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpc.service_config import ServiceConfig
-from mpc.session import open_party, session_source
 from protocols.backend import reveal, stack
 from protocols.robust_aggregation import brace_sign, check_thresholds, fedseca
 
 from .robust_steps import brace_vote_lambda
+from .round_checks import open_round_session
 from .share_store import ShareStore
 
 __all__ = ["OpenedAggregate", "aggregate_round_uploads", "aggregate_digest"]
@@ -57,10 +57,6 @@ def aggregate_digest(vector: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(vector, dtype="<f8").tobytes()).hexdigest()
 
 
-def _digest(parts: Sequence[int]) -> str:
-    return hashlib.sha256(",".join(map(str, parts)).encode()).hexdigest()[:16]
-
-
 def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, round_no: int,
                             participants: Sequence[int],
                             mpc_listener: socket.socket | None) -> OpenedAggregate:
@@ -71,14 +67,7 @@ def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, ro
         raise ValueError(f"{fl.aggregator!r} is not a robust aggregator")
     if not parts:
         raise ValueError("a robust aggregation needs at least one participant")
-    party = open_party(
-        rank, cfg.keys_dir,
-        peer_listener=mpc_listener if rank == 1 else None,
-        peer_address=cfg.server1.mpc().address if rank == 0 else None,
-        **session_source(cfg),
-        timeout=cfg.limits.peer_timeout,
-        ticket=f"round:{round_no}:aggregate:{_digest(parts)}".encode(),
-    )
+    party = open_round_session(rank, cfg, round_no, "aggregate", parts, mpc_listener)
     try:
         prec = store.precision
         rows = [party.wrap_share(store.staged_upload(round_no, j).update, precision=prec) for j in parts]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import socket
 from collections.abc import Sequence
+from typing import Any
 
 from mpc.service_config import ServiceConfig
 from mpc.session import open_party, session_source
@@ -25,11 +26,28 @@ from protocols.upload_range import uploads_in_range
 
 from .share_store import ShareStore
 
-__all__ = ["check_round_uploads"]
+__all__ = ["check_round_uploads", "open_round_session"]
 
 
 def _digest(parts: Sequence[int]) -> str:
     return hashlib.sha256(",".join(map(str, parts)).encode()).hexdigest()[:16]
+
+
+def open_round_session(rank: int, cfg: ServiceConfig, round_no: int, step: str,
+                       participants: Sequence[int], mpc_listener: socket.socket | None) -> Any:
+    """This server's end of a 2PC session of the open round (server 1 accepts on ``mpc_port``).
+
+    The ticket ``round:<r>:<step>:<digest of the participants>`` keeps each step's session apart
+    and makes the two servers meet only when they agree on who is in the round.
+    """
+    return open_party(
+        rank, cfg.keys_dir,
+        peer_listener=mpc_listener if rank == 1 else None,
+        peer_address=cfg.server1.mpc().address if rank == 0 else None,
+        **session_source(cfg),
+        timeout=cfg.limits.peer_timeout,
+        ticket=f"round:{round_no}:{step}:{_digest(participants)}".encode(),
+    )
 
 
 def check_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, round_no: int,
@@ -38,14 +56,7 @@ def check_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, round_
     parts = list(participants)
     if not parts:
         return []
-    party = open_party(
-        rank, cfg.keys_dir,
-        peer_listener=mpc_listener if rank == 1 else None,
-        peer_address=cfg.server1.mpc().address if rank == 0 else None,
-        **session_source(cfg),
-        timeout=cfg.limits.peer_timeout,
-        ticket=f"round:{round_no}:check:{_digest(parts)}".encode(),
-    )
+    party = open_round_session(rank, cfg, round_no, "check", parts, mpc_listener)
     try:
         prec = store.precision
         ups = [store.staged_upload(round_no, j) for j in parts]
