@@ -282,11 +282,11 @@ class CloseRound:
 
 
 @dataclass(frozen=True)
-class CheckRound:
-    """Server 0 asks server 1 to join the range check of these uploads of the open round (a
-    2PC session; server 1 answers at once and runs its side in a thread)."""
+class _RoundSession:
+    """Server 0 asks server 1 to join a 2PC session on these uploads of the open round; server 1
+    answers at once and runs its side in a thread. Subclasses name the session's step."""
 
-    OP: ClassVar[str] = "check_round"
+    OP: ClassVar[str] = ""
     round: int
     participants: tuple[int, ...]
 
@@ -294,9 +294,16 @@ class CheckRound:
         return {"round": self.round, "participants": list(self.participants)}
 
     @classmethod
-    def from_wire(cls, msg: Any) -> CheckRound:
-        g = _fields(msg, "check_round")
+    def from_wire(cls, msg: Any) -> Any:
+        g = _fields(msg, cls.OP)
         return cls(_int(g("round"), "round", 1), _int_list(g("participants"), "participants"))
+
+
+@dataclass(frozen=True)
+class CheckRound(_RoundSession):
+    """The range check of the open round's uploads."""
+
+    OP: ClassVar[str] = "check_round"
 
 
 @dataclass(frozen=True, eq=False)
@@ -317,22 +324,10 @@ class RoundShare:
 
 
 @dataclass(frozen=True)
-class AggregateRound:
-    """Server 0 asks server 1 to join the robust aggregation (``[fl] aggregator``) of these
-    uploads of the open round: a 2PC session after the range check; server 1 answers at once
-    and runs its side in a thread."""
+class AggregateRound(_RoundSession):
+    """The robust aggregation (``[fl] aggregator``) of the open round, after its range check."""
 
     OP: ClassVar[str] = "aggregate_round"
-    round: int
-    participants: tuple[int, ...]
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"round": self.round, "participants": list(self.participants)}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> AggregateRound:
-        g = _fields(msg, "aggregate_round")
-        return cls(_int(g("round"), "round", 1), _int_list(g("participants"), "participants"))
 
 
 @dataclass(frozen=True)
