@@ -13,7 +13,7 @@ With ``--secure``, Starfish also runs under 2PC on the same history and must agr
 Starfish (same selected rounds and correction flags, models within ``--secure-tolerance``);
 otherwise the differing figures are printed and the exit code is 1.
 
-Defaults per dataset are in :data:`bench.lab_setup.DATASET_DEFAULTS`; the digits defaults were tuned so
+Defaults per dataset are in :data:`lab.experiment.DATASET_DEFAULTS`; the digits defaults were tuned so
 the run takes seconds on one core and the backdoor is learned clearly (see README of
 ``bench`` / the docstring of ``DATASET_DEFAULTS``).
 """
@@ -34,18 +34,26 @@ import torch
 from clients.attacks import ALIE_JITTER, ALIE_Z, SCALE
 from clients.datasets import DATASET_NAMES
 from clients.models import MODEL_NAMES
-from mpc.channel import LinkProfile
+from net.channel import LinkProfile
 from protocols.starfish.params import PAPER
-from servers.lab.aggregators import (AGGREGATORS, BRACE_CLIENTS, BRACE_DECAY, BRACE_LAMBDA, BRACE_SCALE,
-                                     FEDSECA_BETA, FEDSECA_GAMMA, build_aggregator)
-from servers.lab.fl import run_federated
-from servers.lab.metrics import arp, l2_distance, stored_history
-from servers.lab.recovery import METHODS, CostRecord, FedEraser, FedRecover, RandomSelection, Retrain, Starfish
-from servers.lab.recovery.crab import Crab
-from servers.lab.recovery.fedadp import ADJACENCY, FedADP
+from lab.aggregators import (
+    AGGREGATORS,
+    BRACE_CLIENTS,
+    BRACE_DECAY,
+    BRACE_LAMBDA,
+    BRACE_SCALE,
+    FEDSECA_BETA,
+    FEDSECA_GAMMA,
+    build_aggregator,
+)
+from lab.fl import run_federated
+from lab.metrics import arp, l2_distance, stored_history
+from lab.recovery import METHODS, CostRecord, FedEraser, FedRecover, RandomSelection, Retrain, Starfish
+from lab.recovery.crab import Crab
+from lab.recovery.fedadp import ADJACENCY, FedADP
 
 from . import progress
-from .lab_setup import ATTACK_NAMES, build_setup, starfish_params
+from lab.experiment import ATTACK_NAMES, build_setup, starfish_params
 from .report import human_bytes
 from .secure_lab import run_secure_starfish, step_table
 

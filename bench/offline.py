@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mpc import run_parties
-from mpc.channel import KIND_OBJECT, NO_LINK
+from net.channel import KIND_OBJECT, NO_LINK
 
 from . import progress
 

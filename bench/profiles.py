@@ -40,7 +40,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
-from mpc.channel import NO_LINK, LinkProfile
+from net.channel import NO_LINK, LinkProfile
 
 #: name -> (round-trip seconds, bandwidth as written in the paper, per second)
 PAPER_PROFILES: dict[str, tuple[float, float]] = {

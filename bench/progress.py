@@ -7,7 +7,7 @@ returns). A disabled bar is still a ``tqdm`` object whose methods do nothing, so
 branch on it.
 
 Progress hooks that already exist are fed as they are: :func:`callback` turns a bar into the
-``progress(done, total, info)`` callback of ``servers.lab.fl.run_federated``, the recovery
+``progress(done, total, info)`` callback of ``lab.fl.run_federated``, the recovery
 methods and ``run_stage2``; :func:`step_hook` follows the top-level metered steps of a party
 (``bench.offline.instrument``).
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from mpc.crypten_compat import crypten
-from mpc.encoding import encode
+from common.encoding import encode
 from protocols.upload_range import DEFAULT_BOUND_BITS, uploads_in_range
 
 from . import offline, profiles, progress

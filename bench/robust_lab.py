@@ -3,7 +3,7 @@
 Why a runner of its own: the lab (``bench.lab``) runs one FL history and unlearns from it; the
 question here is the FL run itself under attack, for every aggregator and several numbers of
 attackers, on equal terms (same data, same clients, same seeds). Each cell is one FL run of
-the lab (``bench.lab_setup.build_setup`` + ``run_federated``) with clients 0..N-1 attacking,
+the lab (``lab.experiment.build_setup`` + ``run_federated``) with clients 0..N-1 attacking,
 evaluated on the final model: test error (TER) and backdoor attack success (BA-ASR, on the
 targets' clean samples with the trigger; for attacks other than the backdoor it shows the
 trigger's base rate, i.e. that nothing was planted). No unlearning runs.
@@ -27,13 +27,13 @@ from typing import Any
 
 import torch
 
-from servers.lab.aggregators import AGGREGATORS
-from servers.lab.fl import run_federated
+from lab.aggregators import AGGREGATORS
+from lab.fl import run_federated
 
 from . import progress
 from .lab import add_arguments as add_lab_arguments
 from .lab import make_aggregator
-from .lab_setup import build_setup
+from lab.experiment import build_setup
 
 __all__ = ["main", "run_table", "format_grid"]
 

@@ -25,17 +25,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpc import encoding, run_parties
-from mpc.channel import NO_LINK
-from mpc.prg import Prg, new_seed
-from mpc.sharing import share
+from common import encoding
+from mpc import run_parties
+from net.channel import NO_LINK
+from common.prg import Prg, new_seed
+from common.sharing import share
 from protocols.starfish import StarfishParams, run_stage2
 from protocols.starfish.ports import History
-from servers.share_history import ShareHistory
-from servers.share_store import ClientShares, ShareStore
+from servers.secure.share_history import ShareHistory
+from servers.store.share_store import ClientShares, ShareStore
 
 from . import progress
-from .lab_setup import build_setup
+from lab.experiment import build_setup
 
 NORM_DELTA_PRECISION = encoding.DEFAULT_PRECISION
 

@@ -21,10 +21,10 @@ Values (realistic scale, not real training):
   so the L-BFGS pairs are consistent and the 4 x 4 matrices W are well conditioned.
 
 Shares. A server's history returns *its own share*, derived on the fly: party 0's share is
-AES-CTR output (``mpc.prg``) keyed per (kind, round, client), party 1's is encode(value) minus
+AES-CTR output (``common.prg``) keyed per (kind, round, client), party 1's is encode(value) minus
 that. Both keys and the value generator are public here, so either process could rebuild the
 other's share and the values: this is a cost benchmark, not a privacy setting (real servers
-get shares from clients, ``servers/share_store.py``). Party 0 never computes a value at all.
+get shares from clients, ``servers/store/share_store.py``). Party 0 never computes a value at all.
 
 The norms, thresholds and models of a configuration are computed once (one pass over all
 n x T updates) and cached in an ``.npz`` file keyed by the configuration.
@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from clients.models import build_model, flatten_params
-from mpc.encoding import encode
-from mpc.prg import Prg
+from common.encoding import encode
+from common.prg import Prg
 from protocols.starfish.params import PAPER
 from protocols.starfish.ports import History, Secret
 

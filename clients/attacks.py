@@ -15,7 +15,7 @@ client's own ``alpha``, so the upload stays internally consistent and only g is 
   mu_H - z * sigma_H, with mu_H / sigma_H the coordinate-wise mean / population standard
   deviation of the honest updates of the same round and z = 1.0 + U(-0.05, 0.05) per
   attacker and round (the paper's z_max and jitter delta). It is an *omniscient* attacker:
-  it needs the honest clients' current-round updates, which ``servers.lab.fl.run_federated``
+  it needs the honest clients' current-round updates, which ``lab.fl.run_federated``
   hands to any participant with a ``train_omniscient`` method after the others have trained.
   That is the threat model of FedSECA and BRACE (the attacker sees every honest update of the
   round), not something a real server allows.
@@ -45,7 +45,7 @@ ALIE_JITTER = 0.05
 
 
 class Honest(Protocol):
-    """The participant shape a wrapper needs (``servers.lab.fl.Participant``)."""
+    """The participant shape a wrapper needs (``lab.fl.Participant``)."""
 
     client_id: int
 

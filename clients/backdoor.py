@@ -91,7 +91,8 @@ class BackdoorClient(LocalClient):
         x2, y2, _mask = poison(client.x, client.y, trigger, target_label, fraction, seed)
         return cls(client_id=client.client_id, x=x2, y=y2, model_factory=client.model_factory,
                    epochs=client.epochs, lr=client.lr, batch_size=client.batch_size,
-                   alpha=client.alpha, seed=client.seed, clean_x=client.x, clean_y=client.y,
+                   alpha=client.alpha, seed=client.seed, device=client.device,
+                   clean_x=client.x, clean_y=client.y,
                    trigger=trigger, target_label=target_label, boost=boost)
 
     def postprocess(self, g: torch.Tensor) -> torch.Tensor:

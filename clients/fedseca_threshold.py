@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from mpc.encoding import decode, encode
+from common.encoding import decode, encode
 
 __all__ = ["upload_threshold"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mpc.service_config import ConfigError, ModelSection
+from common.service_config import ConfigError, ModelSection
 
 from .models import build_model, default_model_name, flatten_params
 

@@ -1,7 +1,7 @@
 """Model-quality metrics of the lab: TER, BA-ASR, MIA-ASR (Starfish Sec. VI-A).
 
 Why in ``clients``: they need a model architecture and data, nothing from the servers.
-Cost metrics (ARP, L2 distance, wall time) live in ``servers.lab.metrics``.
+Cost metrics (ARP, L2 distance, wall time) live in ``lab.metrics``.
 
 * TER - test error rate: fraction of test inputs misclassified.
 * BA-ASR - backdoor attack success rate: of the target client's own samples whose true

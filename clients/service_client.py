@@ -27,16 +27,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mpc import tls
-from mpc.channel import KIND_OBJECT, Channel, ChannelError, PeerDisconnected
+from net import tls
+from net.channel import KIND_OBJECT, Channel, ChannelError, PeerDisconnected
 
-from mpc import wire
+from common import wire
 
 __all__ = ["ServiceClient", "ServiceError"]
 
 
 class ServiceError(RuntimeError):
-    """The server refused a request; ``code`` is one of ``mpc.wire.ERROR_CODES``."""
+    """The server refused a request; ``code`` is one of ``common.wire.ERROR_CODES``."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mpc.prg import SEED_BYTES
-from mpc.sharing import Shares, share
+from common.prg import SEED_BYTES
+from common.sharing import Shares, share
 
 __all__ = ["share_seed", "seeded_shares", "disk_traces", "find_traces"]
 

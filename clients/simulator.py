@@ -11,7 +11,7 @@ can request unlearning of its own data.
 
 Plaintext twin: the simulator knows every plaintext update it uploaded, so after
 training it can hand the same history, in the clear, to a :class:`TwinRecorder` (the CLI
-gives ``servers.lab.history.NpzTwinRecorder``; clients never import server code), with
+gives ``lab.history.NpzTwinRecorder``; clients never import server code), with
 the servers' published models and participants, and checks that every published model of a
 FedAvg round is plaintext FedAvg of those updates (``fedavg_max_abs_error`` in the summary;
 robustly aggregated rounds, ``[fl] aggregator``, are checked by whoever can run their rule).
@@ -34,8 +34,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from mpc import tls, wire
-from mpc.service_config import ServiceConfig
+from net import tls
+from common import wire
+from common.service_config import ServiceConfig
 
 from .backdoor import BackdoorClient, default_trigger
 from .datasets import load_dataset

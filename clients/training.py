@@ -102,7 +102,7 @@ def local_update(model: nn.Module, start: torch.Tensor, x: torch.Tensor, y: torc
 
 @dataclass
 class LocalClient:
-    """A simulated FL client holding its data; satisfies ``servers.lab.fl.Participant``.
+    """A simulated FL client holding its data; satisfies ``lab.fl.Participant``.
 
     ``train`` is called by the FL coordinator in Stage I and again by unlearning methods
     that ask remaining clients for exact updates (warm-up, correction, calibration).

@@ -1,32 +1,19 @@
-"""The two-party runtime: encoding and sharing (numpy only), and the CrypTen session.
+"""The 2PC runtime on CrypTen and the share-level protocols.
 
-Clients import ``mpc.encoding``/``mpc.sharing``/``mpc.prg`` only; those do not import
-torch or CrypTen. ``run_parties``, ``open_party`` and ``meter`` load the 2PC engine on
-first use.
+The runtime: a party session between the two servers (``session``, ``launcher``), CrypTen's
+communicator and the correlated-randomness providers (``dealer_provider``; the dealer-free
+``two_party_provider`` over the SPU engine, ``spu_engine``/``spu_process``). The share-level
+protocols: the sign test (``nonnegative``), wrap-free and exact truncation, table comparisons.
+Only servers, the dealer and benchmarks import this package; clients never do (they stand on
+``common`` and ``net``), so importing CrypTen here eagerly costs a client nothing.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from net.link import LinkProfile
+from net.metering import meter
+
+from .launcher import PartyError, PartyResults, run_parties
+from .session import open_party
 
 __all__ = ["run_parties", "open_party", "meter", "LinkProfile", "PartyResults", "PartyError"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("run_parties", "PartyResults", "PartyError"):
-        from . import launcher
-
-        return getattr(launcher, name)
-    if name == "open_party":
-        from .session import open_party
-
-        return open_party
-    if name == "meter":
-        from .metering import meter
-
-        return meter
-    if name == "LinkProfile":
-        from .channel import LinkProfile
-
-        return LinkProfile
-    raise AttributeError(name)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.distributed import ReduceOp
 
-from .channel import KIND_OBJECT, KIND_TENSOR, Channel
+from net.channel import KIND_OBJECT, KIND_TENSOR, Channel
 from .crypten_compat import CommunicatorBase, restricted_loads
 
 

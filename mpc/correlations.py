@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from . import bitplanes
-from .prg import Prg
+from common.prg import Prg
 
 # Ops for which a party may ask for a Beaver triple c = op(a, b); torch computes them
 # on int64 with wrap-around, which is arithmetic mod 2^64.

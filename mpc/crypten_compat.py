@@ -89,7 +89,7 @@ _original_decode = FixedPointEncoder.decode
 def _decode_fixed(self, tensor):
     """Floor-split into integer and fraction parts (correct sign handling).
 
-    The result is float32, like CrypTen's API; decode with ``mpc.encoding.decode`` (float64)
+    The result is float32, like CrypTen's API; decode with ``common.encoding.decode`` (float64)
     when the last bits matter (e.g. 30000 - 2^-16 rounds to 30000 in float32).
     """
     if tensor is None:
@@ -161,8 +161,11 @@ def restricted_loads(buf: bytes) -> Any:
 # CrypTen divides a sharing by a public integer by dividing each party's share locally
 # (``ArithmeticSharedTensor.div_``): wrong by about 2**64 / divisor with probability about
 # |x| / 2**64 per element. ``replace_local_truncation`` routes powers of two (every fixed-point
-# product ends with one) to a protocol that cannot wrap (``mpc.truncation``); other divisors
-# are refused then. ``observe_truncations`` (audit only) sees the local ones that remain.
+# product ends with one) to a protocol that cannot wrap (``mpc.truncation``), and every other
+# integer divisor (CrypTen's ``mean``, ``var``, ``avg_pool2d``, ``log``) to three such truncations
+# (``mpc.public_division``). ``observe_truncations`` (audit only) sees the local ones that remain.
+from .public_division import divide_share as _divide_share  # noqa: E402
+
 _ORIGINAL_DIV = ArithmeticSharedTensor.div_
 _wrapfree_truncation: Any = None
 _truncation_observers: list = []
@@ -184,6 +187,22 @@ def _power_of_two_exponents(d: Any) -> Any:
     return torch.log2(t.double()).round().long()
 
 
+def _divide_wrapfree(share: torch.Tensor, d: Any) -> torch.Tensor:
+    """Share of x / d for a public int (or int tensor) d that is not all powers of two.
+
+    A tensor divisor is broadcast to the share and divided value by value (the divisor is
+    public, so its distinct values are too): three truncations per distinct value.
+    """
+    if not torch.is_tensor(d) or d.dim() == 0:
+        return _divide_share(share, int(d), _wrapfree_truncation)
+    divisors = d.expand(share.shape)
+    out = torch.empty_like(share)
+    for n in torch.unique(divisors).tolist():
+        where = divisors == n
+        out[where] = _divide_share(share[where], int(n), _wrapfree_truncation)
+    return out
+
+
 def _div_(self: Any, y: Any) -> Any:
     d = _integer_divisor(y)
     integer = isinstance(d, int) or (torch.is_tensor(d) and not d.is_floating_point())
@@ -191,9 +210,8 @@ def _div_(self: Any, y: Any) -> Any:
         if _wrapfree_truncation is not None:
             exps = _power_of_two_exponents(d)
             if exps is None:
-                raise ValueError(f"two-party division by {d!r}: only powers of two have a truncation "
-                                 "that cannot wrap")
-            if exps.dim() or int(exps):
+                self.share = _divide_wrapfree(self.share, d)
+            elif exps.dim() or int(exps):
                 self.share = _wrapfree_truncation(self.share, exps if exps.dim() else int(exps))
             return self
         for observe in _truncation_observers:

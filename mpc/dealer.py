@@ -15,7 +15,7 @@ Protocol (msgpack control frames over mutually authenticated TLS; see
 
 The dealer never receives data: requests are sizes and op names only.
 
-Admission (``mpc.admission``): only ``server0`` and ``server1`` have any business here, so the
+Admission (``net.admission``): only ``server0`` and ``server1`` have any business here, so the
 caps are tiny (``DEALER_CAPS``): a few handshakes at once, each cut off after
 ``handshake_timeout`` (5 s; it used to be the 3,600 s request timeout), a few connections
 per server. A server over its cap gets ``{"op": "error"}`` with the reason.
@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import correlations, tls
-from .admission import Admission, Refused, refuse
-from .channel import KIND_OBJECT, KIND_TENSOR, Channel, ChannelError, accept_loop, listen
-from .prg import new_seed
-from .wire import pack, unpack_bounded
+from mpc import correlations
+from net import tls
+from net.admission import Admission, Refused, refuse
+from net.channel import KIND_OBJECT, KIND_TENSOR, Channel, ChannelError, accept_loop, listen
+from common.prg import new_seed
+from common.wire import pack, unpack_bounded
 
 log = logging.getLogger("starfish.dealer")
 MAX_PREFILL = 1 << 20  # requests in one prefill message

@@ -32,8 +32,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import tls
-from .channel import NO_LINK, LinkProfile, listen
+from net import tls
+from net.channel import NO_LINK, LinkProfile, listen
 from .dealer import DealerServer
 from .session import OFFLINE_MODES, open_party
 

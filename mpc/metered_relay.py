@@ -7,10 +7,10 @@ in) and one in front of the peer's (what it sends out). Every byte is counted wh
 socket, TLS records included, so the meter holds the bytes on the wire; the direction of each
 pump says whether a byte was sent or received.
 
-Link emulation is on the receiving pumps only (as in ``mpc.link``): a chunk read at ``t`` is
+Link emulation is on the receiving pumps only (as in ``net.link``): a chunk read at ``t`` is
 written on at ``max(t, link free) + bytes x 8 / bandwidth + latency`` by a second thread, so
 chunks in flight overlap as on a FIFO link. A round is counted when this party sends after it
-has received (or when a meter step opened since), as ``mpc.channel`` counts them.
+has received (or when a meter step opened since), as ``net.channel`` counts them.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import threading
 import time
 from typing import Callable
 
-from .link import NO_LINK, LinkProfile
-from .metering import Meter
+from net.link import NO_LINK, LinkProfile
+from net.metering import Meter
 
 __all__ = ["RelayPair", "Relay"]
 

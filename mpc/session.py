@@ -15,13 +15,13 @@ import numpy as np
 import torch
 
 from . import crypten_compat as cc
-from . import metering, tls
-from .channel import KIND_OBJECT, NO_LINK, Channel, LinkProfile
+from net import metering, tls
+from net.channel import KIND_OBJECT, NO_LINK, Channel, LinkProfile
 from .communicator import TwoPartyCommunicator
 from .dealer import DealerLink
 from .dealer_provider import NAME as DEALER, DealerProvider
-from .encoding import DEFAULT_PRECISION
-from .peer_accept import accept_peer, check_ticket, connect_peer
+from common.encoding import DEFAULT_PRECISION
+from net.peer_accept import accept_peer, check_ticket, connect_peer
 from .tfp import TestOnlyTFP
 from .truncation import RANGE_BITS, truncate_share
 from .two_party_provider import NAME as TWO_PARTY, TwoPartyProvider
@@ -37,7 +37,7 @@ cc.register_provider(TFP, TestOnlyTFP())  # CrypTen's TFP plus edabits; still re
 
 
 def session_source(cfg) -> dict:
-    """``open_party`` keywords for a deployment's ``offline`` mode (``mpc.service_config``): the
+    """``open_party`` keywords for a deployment's ``offline`` mode (``common.service_config``): the
     dealer's address, or the two-party provider and no dealer at all."""
     if cfg.offline == "two-party":
         return {"provider": TWO_PARTY}
@@ -145,7 +145,7 @@ def open_party(
 
     ``ticket`` names this session attempt (e.g. ``b"job:<id>:attempt:<n>"``; at most 1024 bytes):
     party 1 admits only a ``server0`` connection that presents the same ticket, and skips
-    anything else reaching its listener (``mpc.peer_accept``). ``None`` is the empty ticket.
+    anything else reaching its listener (``net.peer_accept``). ``None`` is the empty ticket.
     Both sides try until ``timeout`` seconds have passed, which also bounds each later receive.
 
     ``truncation``: "wrapfree" (default: every fixed-point truncation uses a dealer truncation

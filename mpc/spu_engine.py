@@ -5,7 +5,7 @@ only module that imports ``spu`` or ``jax``).
 The link. SPU talks over its own sockets (brpc). Both ends use TLS 1.3 with mutual
 authentication, with keys that exist for this session only: each party makes a fresh EC key and
 a self-signed certificate, and the two certificates are exchanged over the servers' own
-authenticated channel (``mpc.channel``, the deployment's certificates). Each party then trusts
+authenticated channel (``net.channel``, the deployment's certificates). Each party then trusts
 exactly the peer's certificate and nothing else, so no other key can join the link, not even a
 certificate of the deployment's CA (which also signs clients), and the private keys never touch a
 disk outside a 0700 directory that is removed when the session closes. Both sides' traffic passes
@@ -30,12 +30,12 @@ from typing import Callable
 
 import numpy as np
 
-from .channel import KIND_OBJECT, Channel
-from .link import NO_LINK, LinkProfile
-from .metering import KINDS, Meter
+from net.channel import KIND_OBJECT, Channel
+from net.link import NO_LINK, LinkProfile
+from net.metering import KINDS, Meter
 from .spu_process import (CLOSE_GRACE, CLOSE_WAIT, PRODUCTS, RINGS, EngineError, engine_main, prog_exceed,
                           prog_ge0, prog_matmul, prog_mul, prog_window)
-from .wire import pack, unpack_bounded
+from common.wire import pack, unpack_bounded
 
 __all__ = ["SpuEngine", "EngineError"]
 log = logging.getLogger("starfish.engine")

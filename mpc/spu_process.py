@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .metering import KINDS, Meter
+from net.metering import KINDS, Meter
 
 __all__ = ["EngineError", "RINGS", "PRODUCTS", "engine_main", "prog_ge0", "prog_window", "prog_mul",
            "prog_matmul", "prog_exceed"]

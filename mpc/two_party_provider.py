@@ -27,7 +27,7 @@ import torch
 from .crypten_compat import ArithmeticSharedTensor as AST
 from .crypten_compat import BinarySharedTensor as BST
 from .crypten_compat import TupleProviderBase
-from .prg import Prg, new_seed
+from common.prg import Prg, new_seed
 
 NAME = "STARFISH_TWO_PARTY"
 

@@ -172,6 +172,7 @@ from typing import Any, Callable, ContextManager, NamedTuple, Optional, Sequence
 
 import torch
 
+from common.robust_rules import BRACE_LAMBDA, FEDSECA_BETA, FEDSECA_GAMMA
 from mpc.nonnegative import below_power_of_two
 from mpc.table_compare import BOUND
 
@@ -199,11 +200,7 @@ __all__ = [
     "BRACE_LAMBDA",
 ]
 
-#: FedSECA Sec. 5: sparsification factor and server momentum, the same on all its datasets.
-FEDSECA_GAMMA = 0.9
-FEDSECA_BETA = 0.5
-#: BRACE Sec. 5.1: lambda = 5 (with n = 100 clients).
-BRACE_LAMBDA = 5.0
+# the paper constants are defined once, in ``common.robust_rules``, and re-exported here
 
 # Normalisation of ||g||^2 (ring integer N = sum g_enc^2 < 2**62): bits [N >= 4**j], j = 1..30.
 _POW4 = 30

@@ -2,7 +2,7 @@
 
 Why (issue 14, finding 4): the servers hold additive shares of each client's fixed-point upload
 (update g, ||g||, delta) and never see the values, so a client can upload shares of any ring
-element, e.g. 2**62 per coordinate. The exact ring aggregation (``servers/ring_aggregation.py``)
+element, e.g. 2**62 per coordinate. The exact ring aggregation (``servers/secure/ring_aggregation.py``)
 is exact only while sum_j |D_j| enc(g_j) stays below 2**63, and Stage II's ranges assume small
 values; such an upload blew the global model up to 2.1e13. So, before a round closes, the
 servers compute in 2PC, per client, the AND of
@@ -67,7 +67,7 @@ import numpy as np
 import torch
 
 from mpc.crypten_compat import crypten
-from mpc.encoding import DEFAULT_PRECISION
+from common.encoding import DEFAULT_PRECISION
 from mpc.exact_truncation import truncate_exact
 from mpc.nonnegative import below_power_of_two, nonnegative
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import threading
 
-from mpc import tls
+from net import tls
 from mpc.dealer import DealerServer
 
-from mpc.service_config import ServiceConfig
+from common.service_config import ServiceConfig
 
 __all__ = ["run_dealer"]
 

@@ -53,18 +53,19 @@ from clients.metrics import Evaluator
 from clients.service_client import ServiceClient
 from clients.share_seeds import disk_traces, find_traces, seeded_shares
 from clients.simulator import build_federation
-from mpc import tls, wire
-from mpc.channel import ChannelError
-from mpc.encoding import decode, encode
-from mpc.service_config import AGGREGATORS, BRACE_CLIENTS, load_config, write_scratch_deployment
+from net import tls
+from common import wire
+from net.channel import ChannelError
+from common.encoding import decode, encode
+from common.service_config import AGGREGATORS, BRACE_CLIENTS, load_config, write_scratch_deployment
 from protocols.robust_aggregation import brace_sign
 from protocols.starfish import run_stage2
 from protocols.starfish.ports import History, history_prefix
-from servers.lab.aggregators import BraceSign, FedSECA
-from servers.lab.history import NpzHistory
-from servers.lab.metrics import l2_distance
-from servers.lab.recovery import FedRecover, Retrain
-from servers.unlearning_jobs import starfish_params
+from lab.aggregators import BraceSign, FedSECA
+from lab.history import NpzHistory
+from lab.metrics import l2_distance
+from lab.recovery import FedRecover, Retrain
+from servers.secure.unlearning_jobs import starfish_params
 from starfish import runtime_demo
 from starfish.service_commands import federation_spec
 
@@ -366,7 +367,7 @@ def _robust_twin_error(cfg: Any, twin: History) -> float:
     return worst
 
 
-#: server 0's log line for each robust round (``servers.round_coordinator``)
+#: server 0's log line for each robust round (``servers.daemon.round_coordinator``)
 _AGG_LINE = re.compile(r"round (\d+) aggregated by (\S+) in 2PC: (\d+) clients checked, (\d+) kept; "
                        r"online_bytes=(\d+) offline_bytes=(\d+) rounds=(\d+) seconds=([\d.]+)")
 

@@ -1,7 +1,7 @@
 """``starfish keys init|issue|revoke|list``: the offline certificate authority's commands.
 
 Why a module of its own: these are the only commands that touch the CA's private key, and
-they run on the machine that keeps it (the *CA directory*, ``mpc/ca.py``), not where the
+they run on the machine that keeps it (the *CA directory*, ``net/ca.py``), not where the
 daemons run. Layout and lifetimes: docs/service.md, "Keys and certificates".
 """
 
@@ -15,7 +15,8 @@ from typing import Any
 
 from cryptography import x509
 
-from mpc import ca, tls, wire
+from net import ca, tls
+from common import wire
 
 __all__ = ["add_commands"]
 

@@ -13,7 +13,8 @@ import argparse
 
 import numpy as np
 
-from mpc import encoding, run_parties, sharing
+from common import encoding, sharing
+from mpc import run_parties
 
 
 def _servers(party, x_shares, y_shares):

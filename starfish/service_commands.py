@@ -22,16 +22,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.lab_setup import DATASET_DEFAULTS
+from lab.experiment import DATASET_DEFAULTS
 from clients.initial_model import architecture_of, initial_model
 from clients.service_client import ServiceClient, ServiceError
 from clients.simulator import FederationSpec, Simulator, build_federation, parse_unlearn, write_summary
-from mpc import tls, wire
-from mpc.channel import ChannelError
-from mpc.service_config import SCRATCH_CA_DIR, ConfigError, load_config, write_scratch_deployment
+from net import tls
+from common import wire
+from net.channel import ChannelError
+from common.service_config import SCRATCH_CA_DIR, ConfigError, load_config, write_scratch_deployment
 from servers.dealer_daemon import run_dealer
-from servers.lab.history import NpzTwinRecorder
-from servers.server_daemon import ServerDaemon, install_crash_points
+from lab.history import NpzTwinRecorder
+from servers.daemon.server_daemon import ServerDaemon, install_crash_points
 
 __all__ = ["add_commands"]
 

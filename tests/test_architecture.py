@@ -1,4 +1,5 @@
-"""The import graph keeps docs/design.md's layers: bench -> servers, clients -> protocols -> mpc.
+"""The import graph keeps docs/architecture.md's layers:
+starfish -> bench -> servers, lab -> protocols -> mpc -> common -> net, with clients on common/net.
 
 Walks every import statement (module top and function bodies) of the project's packages with
 ``ast`` and asserts (a) package edges only point down the layer order, with ``clients`` and
@@ -14,16 +15,30 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("mpc", "protocols", "servers", "clients", "bench", "starfish")
+PACKAGES = ("net", "common", "mpc", "protocols", "servers", "clients", "lab", "bench", "starfish")
 
-#: package -> the packages it may import (besides itself)
+#: package -> the packages it may import (besides itself). ``clients`` stands on the two lower
+#: floors only, so "a client loads no 2PC engine" holds by structure; the daemon (``servers``)
+#: and the plaintext lab (``lab``) never import each other.
 ALLOWED = {
-    "mpc": set(),
-    "protocols": {"mpc"},
-    "clients": {"mpc"},
-    "servers": {"mpc", "protocols"},
-    "bench": {"mpc", "protocols", "servers", "clients"},
-    "starfish": {"mpc", "protocols", "servers", "clients", "bench"},
+    "net": set(),
+    "common": {"net"},
+    "mpc": {"net", "common"},
+    "protocols": {"net", "common", "mpc"},
+    "clients": {"net", "common"},
+    "servers": {"net", "common", "mpc", "protocols"},
+    "lab": {"net", "common", "mpc", "protocols", "clients"},
+    "bench": {"net", "common", "mpc", "protocols", "servers", "clients", "lab"},
+    "starfish": {"net", "common", "mpc", "protocols", "servers", "clients", "lab", "bench"},
+}
+
+#: sub-packages of ``servers`` -> the sub-packages they may import: the store at the bottom,
+#: then what is computed on shares, then the daemon
+SERVER_LAYERS = {
+    "servers.store": set(),
+    "servers.secure": {"servers.store"},
+    "servers.daemon": {"servers.store", "servers.secure"},
+    "servers.dealer_daemon": set(),
 }
 
 
@@ -119,20 +134,48 @@ def test_packages_import_only_downward():
     assert not bad, "imports against the layer order:\n" + "\n".join(bad)
 
 
+def test_clients_import_nothing_of_the_2pc_runtime():
+    bad = sorted(f"{a} -> {b}" for a, deps in import_graph().items() for b in deps
+                 if a.split(".")[0] == "clients" and b.split(".")[0] in ("mpc", "protocols", "servers", "lab"))
+    assert not bad, bad
+
+
+def test_the_daemon_imports_nothing_of_the_lab_and_the_lab_nothing_of_the_daemon():
+    graph = import_graph()
+    bad = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
+                 if {a.split(".")[0], b.split(".")[0]} == {"servers", "lab"})
+    assert not bad, bad
+
+
+def _server_wing(mod: str) -> str | None:
+    return next((w for w in SERVER_LAYERS if mod == w or mod.startswith(w + ".")), None)
+
+
+def test_server_wings_import_only_downward():
+    """Every module of ``servers`` lives in a wing, and wings import only the wings below."""
+    graph = import_graph()
+    homeless = sorted(m for m in graph if m.startswith("servers.") and _server_wing(m) is None)
+    assert not homeless, f"servers modules outside a wing: {homeless}"
+    bad = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
+                 if (wa := _server_wing(a)) and (wb := _server_wing(b)) and wa != wb
+                 and wb not in SERVER_LAYERS[wa])
+    assert not bad, "imports against the servers' wing order:\n" + "\n".join(bad)
+
+
 def test_no_import_cycle_between_files():
     assert _cycles(import_graph()) == []
 
 
 def test_the_cycle_finder_finds_a_planted_cycle():
     graph = import_graph()
-    graph["mpc.encoding"].add("bench.lab")
-    graph["bench.lab"].add("mpc.encoding")
-    assert any("mpc.encoding" in c and "bench.lab" in c for c in _cycles(graph))
+    graph["common.encoding"].add("bench.lab")
+    graph["bench.lab"].add("common.encoding")
+    assert any("common.encoding" in c and "bench.lab" in c for c in _cycles(graph))
 
 
 def test_a_client_process_loads_neither_server_code_nor_the_2pc_engine():
     code = ("import sys, clients.simulator, clients.service_client; "
-            "print(sorted(m for m in ('servers', 'protocols', 'crypten', 'bench') if m in sys.modules))")
+            "print(sorted(m for m in ('servers', 'protocols', 'crypten', 'bench', 'mpc', 'lab') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -5,8 +5,8 @@ the two secure servers (docs/design.md 4.1). It needs, per round i = 1..T, the p
 models M_{i-1} and M_i, the participants and their FedAvg weights, and each participant's
 update g_i^j, norm ||g_i^j|| and tolerance threshold delta_i^j; and during the replay, exact
 updates from the remaining clients. The lab implements both ports on plain tensors
-(``servers.lab``); each server implements them on its shares (``servers.share_history``,
-``servers.correction_tasks``). Per-client values are typed :data:`Secret`: a plain torch
+(``lab``); each server implements them on its shares (``servers.secure.share_history``,
+``servers.secure.correction_tasks``). Per-client values are typed :data:`Secret`: a plain torch
 tensor in the lab, this party's CrypTen tensor on a server.
 
 Conventions: rounds are 1-based; ``model(0)`` is the initial model M_0; ``model(i)`` is the

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.lab import main
-from bench.lab_setup import DATASET_DEFAULTS
+from lab.experiment import DATASET_DEFAULTS
 
 torch.set_num_threads(1)
 
@@ -57,10 +57,10 @@ _SMALL = ["--dataset", "digits", "--clients", "4", "--rounds", "6", "--epochs", 
 def _plaintext_as_secure(perturb):
     """A stand-in for bench.secure_lab.run_secure_starfish: the plaintext Stage II, then ``perturb``."""
     def fake(lab_args, history, targets, params, link=None, offline="dealer", quiet=True):
-        from bench.lab_setup import build_setup
+        from lab.experiment import build_setup
         from protocols.starfish import run_stage2
         from protocols.starfish.ports import remaining_clients
-        from servers.lab.recovery.base import ClientPool, PoolClients
+        from lab.recovery.base import ClientPool, PoolClients
 
         setup = build_setup(lab_args)
         pool = ClientPool(setup.participants, remaining_clients(history, targets))
@@ -149,7 +149,7 @@ def test_lab_secure_agreeing_run_exits_zero_and_adds_plaintext_starfish(tmp_path
 
 def test_compare_secure_names_every_difference():
     from bench.lab import compare_secure
-    from servers.lab.recovery import CostRecord
+    from lab.recovery import CostRecord
 
     plain = CostRecord("starfish", 6, selected_rounds=[2, 4, 5, 6], extra={"flags": {3: [1, 2], 4: [1]}})
     same = CostRecord("starfish (2PC)", 6, selected_rounds=[2, 4, 5, 6], extra={"flags": {3: [2, 1], 4: [1]}})
@@ -171,7 +171,7 @@ def test_model_defaults_sit_between_the_command_line_and_the_dataset():
     import argparse
 
     from bench.lab import add_arguments
-    from bench.lab_setup import LabConfig, MODEL_DEFAULTS, starfish_params
+    from lab.experiment import LabConfig, MODEL_DEFAULTS, starfish_params
     from protocols.starfish.params import PAPER
 
     parser = argparse.ArgumentParser()
@@ -223,7 +223,7 @@ def test_lab_reports_what_each_method_keeps_of_the_history(tmp_path, capsys):
 
 def test_a_method_whose_model_blows_up_is_marked_diverged(monkeypatch, tmp_path, capsys):
     import bench.lab as lab
-    from servers.lab.recovery import CostRecord
+    from lab.recovery import CostRecord
 
     class Blowup:
         def unlearn(self, history, targets, participants, progress=None):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench import synthetic
-from mpc.encoding import decode, encode
+from common.encoding import decode, encode
 
 
 @pytest.fixture(scope="module")

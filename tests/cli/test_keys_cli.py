@@ -14,7 +14,7 @@ import stat
 import pytest
 from cryptography import x509
 
-from mpc import ca, tls
+from net import ca, tls
 from starfish import key_commands, service_commands
 
 

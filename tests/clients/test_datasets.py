@@ -167,7 +167,7 @@ def _bilinear_oracle(img: np.ndarray, side: int) -> np.ndarray:
 
 
 def test_digits_resized_for_the_cnn_match_bilinear_resampling():
-    from bench.lab_setup import CNN_SIDE, image_side
+    from lab.experiment import CNN_SIDE, image_side
 
     ds = load_digits_dataset()
     big = ds.resized(CNN_SIDE)
@@ -186,3 +186,53 @@ def test_digits_resized_for_the_cnn_match_bilinear_resampling():
     assert image_side(None, "mlp", ds.input_shape) is None
     assert image_side(None, "cnn", (1, 28, 28)) is None
     assert image_side(16, "logreg", ds.input_shape) == 16
+
+
+# --------------------------------------------------------------------------- Debian's Fashion-MNIST
+
+FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+needs_fmnist = pytest.mark.skipif(
+    not FMNIST_DIR.is_dir(),
+    reason=f"Fashion-MNIST not installed ({FMNIST_DIR} missing): "
+           f"`apt-get install dataset-fashion-mnist` (.ci/run does)")
+
+
+@needs_fmnist
+def test_fmnist_found_without_data_dir():
+    ds = load_dataset("fmnist")
+    assert ds.name == "fmnist"
+    assert ds.x_train.shape == (60000, 1, 28, 28) and ds.x_test.shape == (10000, 1, 28, 28)
+    # Fashion-MNIST is balanced: 6,000 training and 1,000 test images per class
+    assert torch.equal(torch.bincount(ds.y_train), torch.full((10,), 6000))
+    assert torch.equal(torch.bincount(ds.y_test), torch.full((10,), 1000))
+    assert float(ds.x_train.min()) == 0.0 and float(ds.x_train.max()) == 1.0
+
+
+@needs_fmnist
+def test_fmnist_system_files_match_an_independent_reader():
+    # oracle: the first test image parsed by hand with gzip + numpy, not through read_idx
+    raw = gzip.decompress((FMNIST_DIR / "t10k-images-idx3-ubyte.gz").read_bytes())
+    assert struct.unpack(">4I", raw[:16]) == (0x803, 10000, 28, 28)
+    first = np.frombuffer(raw, dtype=np.uint8, count=784, offset=16).reshape(28, 28)
+    ds = load_dataset("fmnist")
+    assert np.array_equal(np.rint(ds.x_test[0, 0].numpy() * 255).astype(np.uint8), first)
+
+
+def test_fmnist_without_package_says_how_to_install(tmp_path, monkeypatch):
+    import clients.datasets as datasets
+    monkeypatch.setitem(datasets.SYSTEM_DATA_DIRS, "fmnist", tmp_path / "absent")
+    with pytest.raises(DatasetError, match="apt-get install dataset-fashion-mnist"):
+        load_dataset("fmnist")
+    # a given --data-dir still wins over the system copy
+    make_mnist_dir(tmp_path, compress=True)
+    assert load_dataset("fmnist", tmp_path).x_train.shape == (12, 1, 28, 28)
+
+
+def test_fmnist_default_dir_is_the_system_package(tmp_path, monkeypatch):
+    import clients.datasets as datasets
+    make_mnist_dir(tmp_path, compress=True)
+    monkeypatch.setitem(datasets.SYSTEM_DATA_DIRS, "fmnist", tmp_path)
+    assert load_dataset("fmnist").x_train.shape == (12, 1, 28, 28)
+    # MNIST has no system package: it still needs --data-dir
+    with pytest.raises(DatasetError, match="data-dir"):
+        load_dataset("mnist", None)

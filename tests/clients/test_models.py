@@ -9,7 +9,7 @@ import torch
 from clients.backdoor import BackdoorClient, Trigger, default_trigger, poison
 from clients.models import build_model, flatten_params, load_params, num_params
 from clients.training import LocalClient, local_update, tolerance_threshold
-from servers.lab.fl import run_federated
+from lab.fl import run_federated
 
 torch.set_num_threads(1)
 

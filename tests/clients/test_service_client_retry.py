@@ -4,7 +4,7 @@
 ``ChannelError``, but a channel whose TLS state broke while idle raises ``ssl.SSLEOFError``
 from its next send; it escaped, and the dead channel stayed in place, so every later call
 failed too. Here the server is a real mutually authenticated TLS 1.3 endpoint
-(``mpc.channel`` over ``mpc.tls`` contexts), scripted per connection: answer, drop the
+(``net.channel`` over ``net.tls`` contexts), scripted per connection: answer, drop the
 connection after reading a request (mid-way), corrupt the TLS stream while the client is
 idle, refuse with an error reply, or restart on the same port. Checked: any
 connection-level failure is retried on a new connection within ``retry_seconds``; an error
@@ -23,8 +23,9 @@ import time
 import pytest
 
 from clients.service_client import ServiceClient, ServiceError
-from mpc import tls, wire
-from mpc.channel import KIND_OBJECT, Channel, ChannelError, listen
+from net import tls
+from common import wire
+from net.channel import KIND_OBJECT, Channel, ChannelError, listen
 
 TIMEOUT = 5.0
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from clients.share_seeds import disk_traces, find_traces, seeded_shares, share_seed
-from mpc.prg import expand
-from mpc.sharing import reconstruct
+from common.prg import expand
+from common.sharing import reconstruct
 
 KEY = b"-----BEGIN PRIVATE KEY----- test key bytes"
 

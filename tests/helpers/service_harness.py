@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from clients.service_client import ServiceClient
-from mpc.channel import ChannelError
-from mpc.service_config import ServiceConfig, load_config, write_scratch_deployment
+from net.channel import ChannelError
+from common.service_config import ServiceConfig, load_config, write_scratch_deployment
 from starfish.demo import ProcessGroup
 
 

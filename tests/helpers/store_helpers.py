@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from mpc import prg
-from servers.share_store import ClientShares, ShareStore
+from common import prg
+from servers.store.share_store import ClientShares, ShareStore
 
 I64 = np.iinfo(np.int64)
 DIM = 257

@@ -1,6 +1,6 @@
 """Connections are counted per stage: strangers cannot crowd out authenticated clients (issue 14).
 
-A ``ClientAPI``-like server (the accept loop and connection handling of servers/client_api.py
+A ``ClientAPI``-like server (the accept loop and connection handling of servers/daemon/client_api.py
 with its ``Admission``, answering an echo) and the real dealer are attacked on loopback with
 plain TCP sockets that never finish TLS; authenticated peers still get in at once, and the
 number of threads stays bounded.
@@ -15,12 +15,14 @@ import time
 
 import pytest
 
-from mpc import correlations, peer_accept, tls, wire
-from mpc.admission import Admission, Refused, refuse
-from mpc.channel import KIND_OBJECT, Channel, ChannelError, accept_loop, listen
+from mpc import correlations
+from net import peer_accept, tls
+from common import wire
+from net.admission import Admission, Refused, refuse
+from net.channel import KIND_OBJECT, Channel, ChannelError, accept_loop, listen
 from mpc.dealer import DEALER_CAPS, DealerLink, DealerServer
 from mpc.launcher import ephemeral_keys
-from mpc.service_config import LimitsSection
+from common.service_config import LimitsSection
 
 STRANGERS = 1000
 
@@ -87,7 +89,7 @@ def test_authenticated_connections_are_capped_per_identity_and_in_all():
 
 # ------------------------------------------------------------------ a ClientAPI-like port
 class EchoAPI:
-    """servers/client_api.py's connection handling with the patch of issue 14, around an echo."""
+    """servers/daemon/client_api.py's connection handling with the patch of issue 14, around an echo."""
 
     def __init__(self, keys, limits: LimitsSection):
         self.limits = limits

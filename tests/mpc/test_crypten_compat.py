@@ -44,7 +44,7 @@ def test_fixed_point_decode_patch_is_needed_and_correct():
     import torch
 
     from mpc import crypten_compat as cc
-    from mpc.encoding import decode, encode
+    from common.encoding import decode, encode
     from crypten.encoder import FixedPointEncoder
 
     ring = torch.from_numpy(encode([-3966.977, -1e-5, -2.0, 0.0, 3.5, -(2.0**29)]))

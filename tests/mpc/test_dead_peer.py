@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpc import channel as chmod
-from mpc import tls
-from mpc.channel import KIND_OBJECT, Channel
+from net import channel as chmod
+from net import tls
+from net.channel import KIND_OBJECT, Channel
 from mpc.launcher import PartyError, ephemeral_keys, mp_context, run_parties
 from mpc.session import Party
 

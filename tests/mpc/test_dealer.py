@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mpc import correlations as C
-from mpc.prg import new_seed
+from common.prg import new_seed
 
 S0, S1 = new_seed(), new_seed()
 
@@ -68,7 +68,7 @@ def test_matmul_result_shape_matches_torch(s0, s1):
 def _dealer():
     import threading
 
-    from mpc import tls
+    from net import tls
     from mpc.dealer import DealerServer
     from mpc.launcher import ephemeral_keys
 
@@ -79,8 +79,8 @@ def _dealer():
 
 
 def _link(keys, server, cert_name, rank, session):
-    from mpc import tls
-    from mpc.channel import Channel
+    from net import tls
+    from net.channel import Channel
     from mpc.dealer import DealerLink
 
     ch = Channel.connect(server.address, tls.client_context(tls.identity(keys, cert_name)), tls.DEALER_NAME,

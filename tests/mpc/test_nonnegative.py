@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers import parties
 from mpc import bitplanes, correlations, run_parties
-from mpc.prg import new_seed
+from common.prg import new_seed
 
 RNG = np.random.default_rng(7)
 EDGES = np.array([0, 1, -1, 2, -2, 2**62, -(2**62), 2**63 - 1, -(2**63), 2**31, -(2**31)], dtype=np.int64)

@@ -21,8 +21,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from mpc import correlations
-from mpc.frames import HEADER_BYTES as FRAME_HEADER
-from mpc.prg import new_seed
+from net.frames import HEADER_BYTES as FRAME_HEADER
+from common.prg import new_seed
 from tests.helpers import reused_mask_programs as rmp
 from tests.helpers.ring_shares import HI, LO, MASKS, recon, split
 

@@ -15,11 +15,13 @@ import time
 import numpy as np
 import pytest
 
-from mpc import channel as chmod
-from mpc import encoding, peer_accept, run_parties, sharing, tls
-from mpc.channel import KIND_OBJECT, KIND_TICKET, Channel, ChannelError, HandshakeError, PeerTimeout
+from net import channel as chmod
+from common import encoding, sharing
+from net import peer_accept, tls
+from mpc import run_parties
+from net.channel import KIND_OBJECT, KIND_TICKET, Channel, ChannelError, HandshakeError, PeerTimeout
 from mpc.launcher import ephemeral_keys
-from mpc.metering import Meter
+from net.metering import Meter
 from mpc.session import open_party
 from tests.helpers import parties
 

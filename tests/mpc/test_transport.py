@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from tests.helpers import parties
-from mpc import channel as chmod
-from mpc import run_parties, tls
-from mpc.channel import Channel, HandshakeError, LinkProfile, PeerDisconnected, PeerTimeout
+from net import channel as chmod
+from mpc import run_parties
+from net import tls
+from net.channel import Channel, HandshakeError, LinkProfile, PeerDisconnected, PeerTimeout
 from mpc.launcher import PartyError, ephemeral_keys
 
 

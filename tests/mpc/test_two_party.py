@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import parties
-from mpc import encoding, run_parties, sharing
+from common import encoding, sharing
+from mpc import run_parties
 
 FIXED_POINT_ERR = 2.0**-15
 

@@ -520,7 +520,7 @@ def test_upload_range_in_two_party_mode(tp):
         assert g0 == g1 == want, kw
     # the dealer test's mixed batch: only the bad clients fail
     rng = np.random.default_rng(11)
-    from mpc import sharing
+    from common import sharing
     g = rng.normal(0, 0.05, size=(5, 300)).astype(np.float32)
     g[4, 0] = -1023.99
     enc = np.stack([sharing.encode(row) for row in g])

@@ -21,7 +21,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from protocols.upload_range import norm_plan, uploads_in_range
-from mpc import sharing
+from common import sharing
 
 LO, HI = -(2**63), 2**63 - 1
 KINDS = ("honest", "honest", "zero", "edge", "big", "min", "garbage", "halves", "wrap")

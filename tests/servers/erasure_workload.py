@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from servers.share_store import ClientShares, ShareStore
+from servers.store.share_store import ClientShares, ShareStore
 from tests.helpers.store_helpers import DIM
 
 FORGOTTEN = (7, 8)

@@ -1,4 +1,4 @@
-"""Forgetting takes effect (servers.erasure): adopt an unlearned model, erase the forgotten.
+"""Forgetting takes effect (servers.store.erasure): adopt an unlearned model, erase the forgotten.
 
 Oracles: the bytes of every file under the store (each erased share's marker, seed or
 number must be found there before the erasure, so the scan can fail, and nowhere after;
@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from servers import blobs as blobs_mod
-from servers import share_store as ss
-from servers.service_state import ServiceState
-from servers.share_store import ShareStore
+from servers.store import blobs as blobs_mod
+from servers.store import share_store as ss
+from servers.daemon.service_state import ServiceState
+from servers.store.share_store import ShareStore
 from tests.helpers.store_helpers import DIM, blob_files, expected_share, ring
 from tests.servers.erasure_workload import (FORGOTTEN, JOB, STAGED, T, blob_count_after, build,
                                             expected_after, scan, spec)

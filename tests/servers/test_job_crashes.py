@@ -2,7 +2,7 @@
 
 One FL history (3 clients, 8 rounds) is trained once and copied for every scenario. In each,
 client 0 asks to be forgotten and one process is SIGKILLed at a chosen moment: a server at a
-named step of Stage II (``STARFISH_CRASH_AT=job-step-<step>[:n]``, ``servers/crash_points.py``)
+named step of Stage II (``STARFISH_CRASH_AT=job-step-<step>[:n]``, ``servers/store/crash_points.py``)
 or inside its adoption. The killed process is restarted. Then, whatever was killed:
 
 * the job is ``done`` at both servers, adopted exactly once (round 9 is the only unlearning
@@ -33,11 +33,11 @@ import pytest
 import torch
 
 from clients.simulator import build_federation
-from mpc import wire
+from common import wire
 from protocols.starfish import run_stage2
-from servers.lab.history import NpzHistory
-from servers.share_store import ShareStore
-from servers.unlearning_jobs import starfish_params
+from lab.history import NpzHistory
+from servers.store.share_store import ShareStore
+from servers.secure.unlearning_jobs import starfish_params
 from starfish.service_commands import federation_spec
 from tests.helpers.service_harness import Deployment
 

@@ -1,4 +1,4 @@
-"""Unlearning-job records (servers.job_records): the state machine, durability, the enum,
+"""Unlearning-job records (servers.store.job_records): the state machine, durability, the enum,
 the columns added for adoption (attempts, result digest, receipt) and the migration of a
 catalog created before them.
 
@@ -16,9 +16,9 @@ import sqlite3
 import msgpack
 import pytest
 
-from servers import share_store as ss
-from servers.job_records import FINISHED, TRANSITIONS, JobState
-from servers.share_store import ShareStore
+from servers.store import share_store as ss
+from servers.store.job_records import FINISHED, TRANSITIONS, JobState
+from servers.store.share_store import ShareStore
 from tests.helpers.store_helpers import new_store
 
 

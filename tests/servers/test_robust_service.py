@@ -1,7 +1,7 @@
 """The service under a Byzantine-robust aggregator (``[fl] aggregator``): dealer, two servers, and
 clients driven from the test (synthetic updates: no training, so each run takes seconds).
 
-Oracle: the lab's plaintext rules (``servers.lab.aggregators``: FedSECA with server momentum,
+Oracle: the lab's plaintext rules (``lab.aggregators``: FedSECA with server momentum,
 BRACE's vote with the step scale / sqrt(t)) run on the updates *reconstructed from the two
 servers' stored shares*, each round from the published M_{r-1}. FedSECA's 2PC differs from its
 twin by at most the fixed-point bound ``protocols/robust_aggregation.py`` documents
@@ -27,11 +27,12 @@ import torch
 from clients.fedseca_threshold import upload_threshold
 from clients.service_client import ServiceError
 from clients.share_seeds import seeded_shares
-from mpc import tls, wire
-from mpc.channel import ChannelError
-from mpc.encoding import decode, encode
-from servers.lab.aggregators import BraceSign, FedSECA
-from servers.share_store import ShareStore
+from net import tls
+from common import wire
+from net.channel import ChannelError
+from common.encoding import decode, encode
+from lab.aggregators import BraceSign, FedSECA
+from servers.store.share_store import ShareStore
 from tests.helpers.service_harness import Deployment
 
 torch.set_num_threads(1)

@@ -19,15 +19,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clients.fedseca_threshold import upload_threshold
-from mpc import prg
-from mpc.encoding import decode, encode
-from mpc.service_config import BRACE_CLIENTS, ConfigError, FLSection, load_config, write_scratch_deployment
+from common import prg
+from common.encoding import decode, encode
+from common.service_config import BRACE_CLIENTS, ConfigError, FLSection, load_config, write_scratch_deployment
 from protocols.robust_aggregation import (BRACE_LAMBDA, FEDSECA_BETA, FEDSECA_GAMMA, check_thresholds,
                                           quantile_thresholds)
-from servers.lab import aggregators
-from servers.peer_messages import AggregateRound, CloseRobustRound, ModelDigest, parse_request
-from servers.robust_steps import brace_vote_lambda, robust_model
-from servers.share_store import ShareStore, StagingConflictError
+from lab import aggregators
+from servers.daemon.peer_messages import AggregateRound, CloseRobustRound, ModelDigest, parse_request
+from servers.secure.robust_steps import brace_vote_lambda, robust_model
+from servers.store.share_store import ShareStore, StagingConflictError
 from tests.helpers.store_helpers import DIM, new_store, ring, uploads
 
 torch.set_num_threads(1)

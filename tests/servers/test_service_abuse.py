@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from clients.service_client import ServiceError
-from mpc import wire
-from mpc.sharing import share
-from servers.rate_limits import TokenBucket
-from servers.ring_aggregation import max_total_samples
+from common import wire
+from common.sharing import share
+from servers.daemon.rate_limits import TokenBucket
+from servers.secure.ring_aggregation import max_total_samples
 from tests.helpers.service_harness import Deployment
 
 BURST, RATE = 20, 5.0

@@ -1,7 +1,7 @@
 """SIGKILL a server during an upload and during aggregation; restart it; training resumes.
 
 The servers kill themselves at named points of their write path (``STARFISH_CRASH_AT``,
-see ``servers/crash_points.py``), so each crash hits exactly the moment it is meant to:
+see ``servers/store/crash_points.py``), so each crash hits exactly the moment it is meant to:
 
 * server 1 inside the SQLite transaction that stages a client's upload (an upload in
   flight: the client sees its connection die and retries after the restart);
@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from servers.share_store import ShareStore
+from servers.store.share_store import ShareStore
 from tests.helpers.service_harness import Deployment
 
 N, ROUNDS = 3, 6

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from clients.service_client import ServiceError
-from mpc import tls
-from mpc.channel import KIND_TENSOR, Channel, HandshakeError
-from mpc.sharing import share
-from mpc import wire
+from net import tls
+from net.channel import KIND_TENSOR, Channel, HandshakeError
+from common.sharing import share
+from common import wire
 from tests.helpers.service_harness import Deployment
 
 LIMIT = 64 * 1024
@@ -224,7 +224,7 @@ def test_connections_without_a_valid_certificate_are_refused_at_the_tls_layer(de
 
 
 def test_a_frame_above_the_hard_cap_ends_only_that_connection(dep):
-    from mpc.channel import ChannelError
+    from net.channel import ChannelError
 
     c = dep.client("client-1", 0)
     with pytest.raises(ChannelError):   # the server's reader refuses to allocate it and hangs up

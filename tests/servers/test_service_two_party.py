@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from clients.simulator import build_federation
-from mpc import wire
+from common import wire
 from protocols.starfish import run_stage2
 from protocols.starfish.ports import history_prefix
-from servers.lab.history import NpzHistory
-from servers.share_store import ShareStore
-from servers.unlearning_jobs import starfish_params
+from lab.history import NpzHistory
+from servers.store.share_store import ShareStore
+from servers.secure.unlearning_jobs import starfish_params
 from starfish.service_commands import federation_spec
 from tests.helpers.service_harness import Deployment
 

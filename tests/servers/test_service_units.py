@@ -5,12 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpc.encoding import decode, encode
-from mpc.sharing import share
-from mpc import wire
-from servers.ring_aggregation import (fedavg_weights, max_total_samples, model_digest, next_model,
-                                      open_aggregate, weighted_share_sum)
-from mpc.service_config import ConfigError, load_config, render_config, ServiceConfig
+from common.encoding import decode, encode
+from common.sharing import share
+from common import wire
+from servers.secure.ring_aggregation import (
+    fedavg_weights,
+    max_total_samples,
+    model_digest,
+    next_model,
+    open_aggregate,
+    weighted_share_sum,
+)
+from common.service_config import ConfigError, load_config, render_config, ServiceConfig
 
 
 def test_config_defaults_round_trip_and_validation(tmp_path):
@@ -72,8 +78,8 @@ def test_wire_parse_accepts_valid_and_names_the_problem():
 
 
 def test_job_messages_round_trip_and_refuse_malformed_fields():
-    from servers.job_records import JobState
-    from servers.peer_messages import AdoptJob, Confirmation, JobFail, JobReceipt, JobRow, JobStart
+    from servers.store.job_records import JobState
+    from servers.daemon.peer_messages import AdoptJob, Confirmation, JobFail, JobReceipt, JobRow, JobStart
 
     row = JobRow("j1", "client-3", (3,), JobState.COMPUTED, "{}", 1.5, None, 2, "ab" * 32, False)
     assert JobRow.from_wire(row.to_wire()) == row

@@ -1,7 +1,7 @@
-"""The History adapter over a server's store (servers.share_history), against oracles.
+"""The History adapter over a server's store (servers.secure.share_history), against oracles.
 
 Oracles: the store's own accessors (the adapter must give back exactly what it holds), the
-client-side sharing in ``mpc.sharing`` (a CrypTen two-party session reading both parties'
+client-side sharing in ``common.sharing`` (a CrypTen two-party session reading both parties'
 stores must compute on the clients' values) and the round range a pinned view promises.
 """
 
@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from mpc import run_parties, sharing
+from mpc import run_parties
+from common import sharing
 from protocols.starfish.ports import History, RoundRecord
-from servers import share_store as ss
-from servers.share_history import ShareHistory
-from servers.share_store import ClientShares, ShareStore
+from servers.store import share_store as ss
+from servers.secure.share_history import ShareHistory
+from servers.store.share_store import ClientShares, ShareStore
 from tests.helpers.store_helpers import DIM, new_store, ring, uploads
 
 

@@ -1,8 +1,8 @@
-"""The servers' durable history store (servers.share_store and the catalog, validation and
+"""The servers' durable history store (servers.store.share_store and the catalog, validation and
 staging it is built from), each property against an oracle.
 
 Oracles: the values the test itself wrote (kept in dicts), the client-side sharing in
-``mpc.sharing`` (two stores' shares must add up to the client's encoding), a deterministic
+``common.sharing`` (two stores' shares must add up to the client's encoding), a deterministic
 generator that both a SIGKILLed writer process and the checker call (a reopened store
 must hold exactly a prefix of what the writer intended), byte-level file edits (a flipped
 byte must be caught) and a fresh interpreter (the store loads no torch). Staging, job
@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mpc import encoding, prg, sharing
-from servers import blobs as blobs_mod
-from servers import share_store as ss
-from servers.share_store import ClientShares, ShareStore
+from common import encoding, prg, sharing
+from servers.store import blobs as blobs_mod
+from servers.store import share_store as ss
+from servers.store.share_store import ClientShares, ShareStore
 from tests.helpers.store_helpers import DIM, blob_files, expected_share, new_store, ring, uploads
 
 REPO = Path(__file__).resolve().parents[2]
@@ -303,7 +303,7 @@ def test_round_trip_of_several_rounds_survives_reopen(tmp_path):
     import torch
 
     from protocols.starfish.ports import History
-    from servers.share_history import ShareHistory
+    from servers.secure.share_history import ShareHistory
 
     rng = np.random.default_rng(1)
     for party in (0, 1):
@@ -614,7 +614,7 @@ def test_open_close_and_locking(tmp_path):
 
 
 def test_the_store_imports_neither_torch_nor_crypten():
-    code = ("import sys, servers.share_store; "
+    code = ("import sys, servers.store.share_store; "
             "print(sorted(m for m in ('torch', 'crypten') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          check=True)

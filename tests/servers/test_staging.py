@@ -1,4 +1,4 @@
-"""Staging of uploads for the open round (servers.staging), against the values written.
+"""Staging of uploads for the open round (servers.store.staging), against the values written.
 
 Oracles: the shares the test uploaded (kept in variables), the round the store says is
 open, and the blob files on disk (a withdrawn upload's file must go, nothing else).
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from servers import share_store as ss
-from servers.share_store import ClientShares, ShareStore
+from servers.store import share_store as ss
+from servers.store.share_store import ClientShares, ShareStore
 from tests.helpers.store_helpers import DIM, blob_files, new_store, ring, uploads
 
 

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from mpc import tls
-from mpc.channel import Channel, listen
+from net import tls
+from net.channel import Channel, listen
 from mpc.dealer import DEALER_CAPS, DealerLink
-from mpc.service_config import load_config, write_scratch_deployment
-from servers.client_api import ClientAPI
+from common.service_config import load_config, write_scratch_deployment
+from servers.daemon.client_api import ClientAPI
 from servers.dealer_daemon import run_dealer
-from servers.peer_link import PEER_CAPS, PeerClient, PeerServer
+from servers.daemon.peer_link import PEER_CAPS, PeerClient, PeerServer
 
 STRANGERS = 1000
 
@@ -74,7 +74,7 @@ class _Ping:
 def test_300_strangers_on_the_control_link_port_cost_a_few_threads(deployment):
     _raise_fd_limit()
     cfg = load_config(deployment)
-    # servers/server_daemon.py opens it with the default backlog of 8, which a burst fills at
+    # servers/daemon/server_daemon.py opens it with the default backlog of 8, which a burst fills at
     # once (connects then stall 1 s per SYN retry: 30 s for this test); 128 is what it should use
     listener = listen(backlog=128)
     stop = threading.Event()

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpc import encoding
+from common import encoding
 from protocols.starfish.ports import History, RoundRecord, Secret
-from servers.lab.history import InMemoryHistory
+from lab.history import InMemoryHistory
 from tests.helpers.toy_clients import ToyUpdate
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from clients.simulator import FederationSpec
 from clients.training import LocalClient
-from mpc.service_config import UnlearningSection
+from common.service_config import UnlearningSection
 from protocols.starfish.params import PAPER, StarfishParams
 
 

@@ -21,7 +21,7 @@ from protocols.starfish import StarfishParams, run_stage2, starfish_select
 from protocols.starfish.ports import (History, RoundRecord, candidate_rounds, check_record,
                                       remaining_clients, without_clients)
 from protocols.starfish.stage2 import client_thresholds
-from servers.lab.recovery.base import ClientPool, PoolClients
+from lab.recovery.base import ClientPool, PoolClients
 
 from .partial_programs import ToyClient, build_history
 

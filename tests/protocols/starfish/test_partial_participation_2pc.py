@@ -21,10 +21,10 @@ import torch
 from hypothesis import Phase, assume, event, example, given, note, settings
 from hypothesis import strategies as st
 
-from mpc.prg import new_seed
+from common.prg import new_seed
 from protocols.starfish import StarfishParams, run_stage2
 from protocols.starfish.ports import remaining_clients, without_clients
-from servers.lab.recovery.base import ClientPool, PoolClients
+from lab.recovery.base import ClientPool, PoolClients
 
 from . import partial_programs as pp
 from .test_stage2_properties import MODEL_TOLERANCE, PAIR_MARGIN, RS_MARGIN, TC_MARGIN

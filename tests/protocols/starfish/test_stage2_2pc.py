@@ -123,9 +123,10 @@ def _lab_args(**over) -> argparse.Namespace:
 
 
 def test_secure_stage2_equals_the_plaintext_twin_end_to_end():
-    from bench import lab_setup, secure_lab
-    from servers.lab.fl import run_federated
-    from servers.lab.recovery.base import ClientPool, PoolClients
+    from lab import experiment
+    from bench import secure_lab
+    from lab.fl import run_federated
+    from lab.recovery.base import ClientPool, PoolClients
     from protocols.starfish.ports import remaining_clients
     from protocols.starfish import StarfishParams, run_stage2
 
@@ -168,11 +169,12 @@ def test_two_targets_with_division_select_the_plaintext_rounds():
     """Regression (issue 12): digits, 8 clients, 15 rounds, targets 0 and 3, Method 2. The
     combined targets' keys ||g||^2 ||dM||^2 exceeded divide's 2**16 and the 2PC run selected
     round 1 instead of round 6 (model 0.076 away). Keys are now normalised first."""
-    from bench import lab_setup, secure_lab
+    from lab import experiment
+    from bench import secure_lab
     from protocols.starfish import StarfishParams, run_stage2
     from protocols.starfish.ports import remaining_clients
-    from servers.lab.fl import run_federated
-    from servers.lab.recovery.base import ClientPool, PoolClients
+    from lab.fl import run_federated
+    from lab.recovery.base import ClientPool, PoolClients
 
     args = _lab_args(clients=8, rounds=15, targets="0,3")
     setup = lab_setup.build_setup(args)

@@ -122,11 +122,12 @@ def _rs_figures(history, targets: list[int], k: int) -> str:
 
 
 def _run(cfg: Config) -> dict:
-    from bench import lab, lab_setup, secure_lab
+    from bench import lab, secure_lab
+    from lab import experiment
     from protocols.starfish import run_stage2
     from protocols.starfish.ports import remaining_clients
-    from servers.lab.fl import run_federated
-    from servers.lab.recovery.base import ClientPool, PoolClients
+    from lab.fl import run_federated
+    from lab.recovery.base import ClientPool, PoolClients
 
     parser = argparse.ArgumentParser()
     lab.add_arguments(parser)
@@ -200,7 +201,7 @@ def _ue_figures(run: dict) -> str:
     from protocols.starfish import replay as replay_mod
     from protocols.starfish import run_stage2
     from protocols.starfish.ports import remaining_clients
-    from servers.lab.recovery.base import ClientPool, PoolClients
+    from lab.recovery.base import ClientPool, PoolClients
 
     rest = remaining_clients(run["history"], run["targets"])
     lines, original = [], replay_mod.estimate_updates

@@ -1,0 +1,173 @@
+"""What every unlearning/recovery method shares: its interface, cost record, client pool.
+
+Why a cost record: the methods trade client work for server work and accuracy; the lab
+compares them on equal terms, so each method reports the same quantities: wall time,
+how many exact local trainings each remaining client had to run (the paper's T_r, from
+which ARP follows), how many global-model steps it took, and method-specific notes.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from protocols.starfish.ports import History, remaining_clients
+
+from lab.fl import Participant, ProgressFn
+
+__all__ = ["CostRecord", "ClientPool", "PoolClients", "RecoveryMethod", "remaining_clients", "Timer"]
+
+
+@dataclass
+class CostRecord:
+    """Costs of one unlearning run.
+
+    ``client_computations[j]`` counts the exact local trainings client j ran for this
+    unlearning (T_r in the paper's ARP); ``client_epochs[j]`` the local epochs they
+    amounted to (FedEraser's calibration uses fewer epochs per training).
+    """
+
+    method: str
+    history_rounds: int
+    wall_time_s: float = 0.0
+    rounds_used: int = 0
+    client_computations: dict[int, int] = field(default_factory=dict)
+    client_epochs: dict[int, float] = field(default_factory=dict)
+    estimated_updates: int = 0
+    selected_rounds: list[int] = field(default_factory=list)
+    correction_steps: list[int] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    #: What the method needs the server to have kept of the FL history: ``{"rounds", "updates",
+    #: "models", "bytes"}``. None: the whole recorded history (FedEraser, FedRecover, Starfish);
+    #: methods that keep less (Crab, FedADP) or nothing (retraining) say so.
+    stored: dict[str, int] | None = None
+
+    def total_client_computations(self) -> int:
+        return sum(self.client_computations.values())
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["client_computations"] = {str(k): v for k, v in self.client_computations.items()}
+        d["client_epochs"] = {str(k): v for k, v in self.client_epochs.items()}
+        return d
+
+
+class ClientPool:
+    """The remaining clients, reachable for exact updates, with every request counted."""
+
+    def __init__(self, participants: Sequence[Participant], remaining: Iterable[int]) -> None:
+        by_id = {p.client_id: p for p in participants}
+        self.ids: list[int] = sorted(remaining)
+        missing = [j for j in self.ids if j not in by_id]
+        if missing:
+            raise ValueError(f"no participant object for clients {missing}")
+        self._clients = {j: by_id[j] for j in self.ids}
+        self.computations: dict[int, int] = {j: 0 for j in self.ids}
+        self.epochs: dict[int, float] = {j: 0.0 for j in self.ids}
+
+    def request(self, client: int, model: torch.Tensor, round_idx: int,
+                epochs: float | None = None) -> Any:
+        """Ask ``client`` for its full upload on ``model`` (batch order of ``round_idx``).
+
+        ``model`` is sent as given; callers pass it in the history's model dtype.
+        """
+        p = self._clients[client]
+        up = p.train(model, round_idx, epochs)
+        self.computations[client] += 1
+        base = getattr(p, "epochs", 1.0)
+        self.epochs[client] += float(base if epochs is None else epochs)
+        return up
+
+    def request_omniscient(self, client: int, model: torch.Tensor, round_idx: int,
+                           others: Any) -> Any:
+        """Like :meth:`request` for an omniscient attacker shown the others' uploads (the FL loop's hook)."""
+        up = self._clients[client].train_omniscient(model, round_idx, others)
+        self.computations[client] += 1
+        self.epochs[client] += float(getattr(self._clients[client], "epochs", 1.0))
+        return up
+
+    def exact(self, client: int, model: torch.Tensor, round_idx: int,
+              epochs: float | None = None) -> torch.Tensor:
+        """The exact update g of ``client`` on ``model``."""
+        return self.request(client, model, round_idx, epochs).update
+
+    def participant(self, client: int) -> Participant:
+        """A Participant view of ``client`` whose trainings are counted by this pool.
+
+        An omniscient attacker (``train_omniscient``, see ``lab.fl``) keeps its hook
+        through the view, so Retrain's FL faces the same attack as the original run.
+        """
+        if callable(getattr(self._clients[client], "train_omniscient", None)):
+            return _CountedOmniscient(self, client)
+        return _CountedParticipant(self, client)
+
+    def num_samples(self, client: int) -> int:
+        return self._clients[client].num_samples
+
+    def weights(self) -> dict[int, float]:
+        """FedAvg weights renormalised over the remaining clients."""
+        total = float(sum(self.num_samples(j) for j in self.ids))
+        return {j: self.num_samples(j) / total for j in self.ids}
+
+    def fill(self, cost: CostRecord) -> None:
+        cost.client_computations = dict(self.computations)
+        cost.client_epochs = dict(self.epochs)
+
+
+class _CountedParticipant:
+    def __init__(self, pool: ClientPool, client_id: int) -> None:
+        self.client_id = client_id
+        self._pool = pool
+
+    @property
+    def num_samples(self) -> int:
+        return self._pool.num_samples(self.client_id)
+
+    def train(self, model_vec: torch.Tensor, round_idx: int, epochs: float | None = None) -> Any:
+        return self._pool.request(self.client_id, model_vec, round_idx, epochs)
+
+
+class _CountedOmniscient(_CountedParticipant):
+    def train_omniscient(self, model_vec: torch.Tensor, round_idx: int, others: Any,
+                         epochs: float | None = None) -> Any:
+        return self._pool.request_omniscient(self.client_id, model_vec, round_idx, others)
+
+
+class PoolClients:
+    """A ClientPool behind Stage II's CorrectionClients port (each request counted)."""
+
+    def __init__(self, pool: ClientPool) -> None:
+        self._pool = pool
+
+    def exact_updates(self, round_index: int, model: torch.Tensor, client_ids: list[int]) -> dict[int, Any]:
+        return {j: self._pool.exact(j, model, round_index) for j in client_ids}
+
+
+class Timer:
+    def __enter__(self) -> Timer:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.elapsed = time.perf_counter() - self.start
+
+
+class RecoveryMethod(ABC):
+    """``unlearn(history, targets, participants) -> (model vector, CostRecord)``.
+
+    ``participants`` are the client objects the method may ask for exact updates (only
+    the remaining ones are ever asked); ``progress`` gets (step, total, info).
+    """
+
+    name: str = "method"
+
+    @abstractmethod
+    def unlearn(self, history: History, targets: Sequence[int],
+                participants: Sequence[Participant],
+                progress: ProgressFn | None = None) -> tuple[torch.Tensor, CostRecord]:
+        """Return the unlearned global model and what it cost."""

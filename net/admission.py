@@ -1,0 +1,233 @@
+"""Who may hold a connection on a listening port, counted per stage.
+
+Why stages: a connection costs a thread (and later a TLS reader) from the moment it is
+accepted, but it only says who it is at the end of the TLS handshake. Counting every accepted
+socket against one cap let anyone without a certificate hold all the slots with idle TCP
+connections (issue 14). So:
+
+1. *Handshakes* (unauthenticated): at most ``max_handshakes`` at once, each cut off
+   ``handshake_timeout`` seconds after it was accepted, whatever it sends. When the pool is
+   full the **oldest** pending handshake is dropped to make room: a flood has to outpace real
+   handshakes (milliseconds) to delay one, and can never block connections that are already
+   authenticated.
+2. *Connections* (authenticated, after TLS and the hello): at most ``max_per_identity`` per
+   certificate name and ``max_connections`` in all. A connection over a cap is refused with
+   ``Refused`` (the caller may tell the peer why); it stays counted as a handshake until it is
+   closed, so refused connections are bounded and time-limited too.
+
+``accept_loop`` (``net.listening``) runs stage 1 for every accepted socket; the handler calls
+``connection(sock, identity)`` after its handshake. ``channel_options()`` are the keyword
+arguments the handler passes to ``Channel.wrap_accepted`` (the handshake deadline and the
+port's ``BufferBudget``).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+from net.channel_errors import ChannelError
+from net.frames import KIND_OBJECT, BufferBudget
+
+__all__ = ["Admission", "Refused", "refuse"]
+
+log = logging.getLogger("starfish.admission")
+_LOG_EVERY = 10.0  # seconds between summaries of dropped handshakes (a flood must not flood the log)
+
+
+class Refused(ConnectionError):
+    """An authenticated connection over a cap; ``str()`` is the reason, fit to show the peer.
+    ``code``: ``too_many_connections``, or ``handshake_timeout`` (its handshake slot was taken
+    back, at the deadline or for a newer connection: its socket is already shut down)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+def refuse(ch: Any, reply: bytes, *, wait: float, kind: int = KIND_OBJECT) -> None:
+    """Tell a refused peer why, then close ``ch``. The reply goes out at once, and the channel
+    stays open until the peer's first frame arrives (at most ``wait`` seconds): a client that
+    sends its request right after connecting then reads the refusal as the answer to it,
+    instead of a connection reset caused by closing with its request unread."""
+    try:
+        ch.send_frame(kind, reply)
+        ch.timeout = wait
+        ch.recv_frame(kind)
+    except ChannelError:
+        pass  # it hung up or sent something else: either way it is done with us
+    finally:
+        ch.close()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    """Wake whatever thread is blocked on ``sock``; it closes the socket itself. Never
+    ``close()`` here: the fd number could be reused under that thread."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class Admission:
+    """The caps of one listening port; thread-safe. See the module docstring."""
+
+    def __init__(self, name: str, *, max_handshakes: int = 64, handshake_timeout: float = 5.0,
+                 max_connections: int = 256, max_per_identity: int = 4,
+                 max_buffered: int | None = None, max_buffered_per_identity: int | None = None) -> None:
+        if max_handshakes < 1 or max_connections < 1 or max_per_identity < 1 or handshake_timeout <= 0:
+            raise ValueError("admission caps must be >= 1 and the handshake timeout > 0")
+        self.name = name
+        self.max_handshakes = max_handshakes
+        self.handshake_timeout = handshake_timeout
+        self.max_connections = max_connections
+        self.max_per_identity = max_per_identity
+        self.budget = (BufferBudget(max_buffered, max_buffered_per_identity)
+                       if max_buffered is not None or max_buffered_per_identity is not None else None)
+        self._lock = threading.Lock()
+        self._pending: OrderedDict[socket.socket, float] = OrderedDict()  # oldest first -> deadline
+        self._by_identity: dict[str, int] = {}
+        self._connections = 0
+        self._dropped = 0           # handshakes dropped since the last log summary
+        self._dropped_total = 0
+        self._logged_at = 0.0
+
+    @classmethod
+    def from_limits(cls, name: str, limits: Any) -> "Admission":
+        """The client API's caps: every key of the config's ``[limits]`` section."""
+        return cls(name, max_handshakes=limits.max_handshakes, handshake_timeout=limits.handshake_timeout,
+                   max_connections=limits.max_connections,
+                   max_per_identity=limits.max_connections_per_identity,
+                   max_buffered=limits.max_buffered_bytes,
+                   max_buffered_per_identity=limits.max_buffered_per_identity)
+
+    def channel_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``Channel.wrap_accepted`` on this port."""
+        return {"handshake_timeout": self.handshake_timeout, "budget": self.budget}
+
+    # ------------------------------------------------------------------ stage 1: handshakes
+    def offer(self, sock: socket.socket, deadline: float | None = None) -> None:
+        """Count a just-accepted socket as a pending handshake (until ``deadline``, default
+        now + ``handshake_timeout``), dropping the oldest pending one if the pool is full."""
+        now = time.monotonic()
+        until = now + self.handshake_timeout if deadline is None else deadline
+        with self._lock:
+            while len(self._pending) >= self.max_handshakes:
+                oldest, _ = self._pending.popitem(last=False)
+                _shutdown(oldest)
+                self._note_drop(now)
+            self._pending[sock] = until
+
+    def offer_batch(self, socks: list[socket.socket]) -> list[socket.socket]:
+        """``offer`` for sockets accepted together, oldest first: those that would only push
+        each other out at once are closed here, before any thread is spent on them (a burst
+        of strangers then costs an accept and a close each). Returns the ones to handle."""
+        cut = max(len(socks) - self.max_handshakes, 0)
+        for sock in socks[:cut]:
+            sock.close()
+        if cut:
+            with self._lock:
+                now = time.monotonic()
+                for _ in range(cut):
+                    self._note_drop(now)
+        for sock in socks[cut:]:
+            self.offer(sock)
+        return socks[cut:]
+
+    def expire(self, now: float | None = None) -> float | None:
+        """Cut off handshakes past their deadline; returns the next deadline, if any."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            # deadlines are mostly in arrival order; a shorter explicit one is rare, so scan
+            late = [s for s, until in self._pending.items() if until <= now]
+            for sock in late:
+                del self._pending[sock]
+                _shutdown(sock)
+            return min(self._pending.values(), default=None)
+
+    def release(self, sock: socket.socket) -> None:
+        """The handler is done with ``sock`` (a no-op if it became a connection or was dropped)."""
+        with self._lock:
+            self._pending.pop(sock, None)
+
+    def drop_pending(self) -> None:
+        """Cut off every pending handshake (e.g. the listener is closing)."""
+        with self._lock:
+            for sock in self._pending:
+                _shutdown(sock)
+            self._pending.clear()
+
+    def pending(self, sock: socket.socket) -> bool:
+        with self._lock:
+            return sock in self._pending
+
+    def _note_drop(self, now: float) -> None:
+        self._dropped += 1
+        self._dropped_total += 1
+        if now - self._logged_at >= _LOG_EVERY:
+            log.warning("%s port: %d unauthenticated connections dropped (handshake pool of %d full)",
+                        self.name, self._dropped, self.max_handshakes)
+            self._dropped, self._logged_at = 0, now
+
+    # ------------------------------------------------------------------ stage 2: connections
+    def connection(self, sock: socket.socket | None, identity: str) -> "_Held":
+        """Turn ``sock``'s handshake into a connection of ``identity``, or raise ``Refused``.
+        Use the result as a context manager (or call ``close()``) to give the slot back."""
+        with self._lock:
+            if sock is not None and sock not in self._pending:
+                # its handshake deadline passed (or the pool dropped it) while it finished
+                raise Refused("handshake_timeout", f"the handshake outlived its slot on the {self.name} "
+                              f"port ({self.handshake_timeout:g}s, {self.max_handshakes} at once)")
+            mine = self._by_identity.get(identity, 0)
+            if mine >= self.max_per_identity:
+                raise Refused("too_many_connections", f"{identity} already has {mine} open "
+                              f"connections to the {self.name} port (limit {self.max_per_identity}); "
+                              "close one and retry")
+            if self._connections >= self.max_connections:
+                raise Refused("too_many_connections", f"the {self.name} port has "
+                              f"{self._connections} open connections (limit {self.max_connections}); "
+                              "retry later")
+            if sock is not None:
+                del self._pending[sock]
+            self._by_identity[identity] = mine + 1
+            self._connections += 1
+        return _Held(self, identity)
+
+    def _leave(self, identity: str) -> None:
+        with self._lock:
+            self._connections -= 1
+            left = self._by_identity.get(identity, 0) - 1
+            if left > 0:
+                self._by_identity[identity] = left
+            else:
+                self._by_identity.pop(identity, None)
+
+    def counts(self) -> dict[str, Any]:
+        """What is held right now (for tests and status)."""
+        with self._lock:
+            return {"handshakes": len(self._pending), "connections": self._connections,
+                    "by_identity": dict(self._by_identity), "dropped": self._dropped_total}
+
+
+class _Held:
+    """An admitted connection's slot; given back once, by ``close()`` or leaving ``with``."""
+
+    def __init__(self, admission: Admission, identity: str) -> None:
+        self._admission = admission
+        self.identity = identity
+        self._open = True
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._admission._leave(self.identity)
+
+    def __enter__(self) -> "_Held":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,441 @@
+"""The client API of a server: ``common.wire`` requests over mutually authenticated TLS 1.3.
+
+A client is the certificate name ``client-<id>``, the operator ``admin`` (who may read state
+and jobs and request unlearning, nothing else). Every connection is served in its own
+thread; until TLS says who it is, it holds one of ``limits.max_handshakes`` short-lived
+handshake slots, then one of ``limits.max_connections`` (at most
+``limits.max_connections_per_identity`` per identity; over a cap the connection gets an
+``unavailable`` reply saying why, ``net.admission``); every request gets one reply frame,
+never an exception. A state-changing request (``wire.MUTATING_OPS``) carries a nonce larger
+than the identity's last accepted one (durable in ``servers.daemon.service_state``), so a replay is
+refused, also after a restart. The operations:
+
+* public state and models: ``state``, ``get_model``, ``round_info``, ``status``;
+* ``upload``: a client's shares for the open FL round (``servers.daemon.round_coordinator``);
+  refused with ``paused`` while an unlearning job is pending (FL waits for it);
+* ``unlearn``, ``job_status``: unlearning requests and their jobs (``servers.daemon.job_scheduler``),
+  with the erasure receipt once a job is adopted;
+* admin only: ``cancel_job`` (a job not yet adopted), ``reenrol`` (a forgotten client);
+* ``poll_tasks``, ``get_task``, ``task_result``: Stage II correction tasks
+  (``servers.secure.correction_tasks``).
+
+A forgotten client (its data erased by an adopted job) gets ``forgotten`` for everything but
+public state and its own jobs' status, until the operator re-enrols it (recorded).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from net import tls
+from common import wire
+from net.admission import Admission, Refused, refuse
+from net.channel import KIND_OBJECT, Channel, ChannelError, PeerTimeout, ProtocolError, accept_loop
+from common.service_config import ServiceConfig
+
+from servers.secure.correction_tasks import TaskBoard
+from servers.store.crash_points import checkpoint
+from servers.daemon.job_scheduler import PENDING, JobScheduler
+from servers.daemon.rate_limits import TokenBucket
+from servers.secure.ring_aggregation import max_total_samples
+from servers.daemon.round_coordinator import RoundCoordinator
+from servers.daemon.service_state import ServiceState
+from servers.store.job_records import JobRecord, JobState
+from servers.store.share_store import (
+    ForgottenClientError,
+    JobError,
+    ShareStore,
+    StagingConflictError,
+    StagingError,
+)
+from servers.secure.unlearning_jobs import read_result
+
+__all__ = ["ClientAPI"]
+
+log = logging.getLogger("starfish.server")
+
+#: What the operator (``admin``) may do; FL clients may do everything else.
+ADMIN_OPS = frozenset({"state", "get_model", "round_info", "unlearn", "job_status", "status",
+                       "cancel_job", "reenrol", "staged", "drop_staged"})
+#: Admin-only operations.
+ONLY_ADMIN_OPS = frozenset({"cancel_job", "reenrol", "staged", "drop_staged"})
+#: Unlearning jobs the operator may have pending at once (clients: ``limits.max_pending_jobs``).
+ADMIN_PENDING_JOBS = 16
+#: What a forgotten client may still do: read public state and its own jobs (the receipt).
+FORGOTTEN_OPS = frozenset({"state", "get_model", "round_info", "job_status", "status"})
+#: The result fields ``job_status`` shows of a finished job.
+RESULT_FIELDS = ("rounds", "attempt", "selected_rounds", "flags", "correction_steps", "warmup_steps", "wall_seconds",
+                 "model_sha256", "client_exact_updates", "meters")
+
+
+class ClientAPI:
+    """Serves the clients and the operator on ``listener`` until ``stop`` is set."""
+
+    def __init__(self, cfg: ServiceConfig, party: int, listener: socket.socket, ctx: ssl.SSLContext,
+                 *, store: ShareStore, state: ServiceState, board: TaskBoard,
+                 rounds: RoundCoordinator, jobs: JobScheduler, stop: threading.Event) -> None:
+        self.cfg = cfg
+        self.party = party
+        self.max_bytes = cfg.limits.max_message_bytes
+        self.store = store
+        self.state = state
+        self.board = board
+        self.rounds = rounds
+        self.jobs = jobs
+        self.stop_event = stop
+        self._listener = listener
+        self._ctx = ctx
+        self._id_locks: dict[str, threading.Lock] = {}
+        self._id_guard = threading.Lock()
+        self._admission = Admission.from_limits("client API", cfg.limits)
+        self._clients_cache: tuple[int, frozenset[int]] = (-1, frozenset())
+        self._ops: dict[str, Callable[[str, dict], dict]] = {
+            "state": self._op_state, "get_model": self._op_get_model,
+            "round_info": self._op_round_info, "upload": self._op_upload,
+            "unlearn": self._op_unlearn, "job_status": self._op_job_status,
+            "status": self._op_status, "poll_tasks": self._op_poll_tasks,
+            "get_task": self._op_get_task, "task_result": self._op_task_result,
+            "cancel_job": self._op_cancel_job, "reenrol": self._op_reenrol,
+            "staged": self._op_staged, "drop_staged": self._op_drop_staged,
+        }
+        self._buckets: dict[str, TokenBucket] = {}
+
+    # ------------------------------------------------------------------ connections
+    def serve_forever(self) -> None:
+        accept_loop(self._listener, self._serve_client, self.stop_event, name="client",
+                    admission=self._admission)
+
+    @staticmethod
+    def _allowed(name: str) -> bool:
+        return name == tls.ADMIN_NAME or wire.client_id_of(name) is not None
+
+    def _serve_client(self, sock: socket.socket) -> None:
+        try:
+            ch = Channel.wrap_accepted(sock, self._ctx, self._allowed, kind="online",
+                                       timeout=self.cfg.limits.idle_timeout,
+                                       max_frame=self.cfg.limits.max_frame_bytes,
+                                       **self._admission.channel_options())
+        except ChannelError as exc:
+            log.info("refused a client connection: %s", exc)
+            return
+        who = ch.peer
+        try:
+            slot = self._admission.connection(sock, who)
+        except Refused as exc:
+            log.warning("refused a connection of %s: %s", who, exc)
+            refuse(ch, wire.error_reply(None, "unavailable", str(exc)),
+                   wait=self._admission.handshake_timeout)
+            return
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    buf = ch.recv_frame(KIND_OBJECT)
+                except ProtocolError as exc:
+                    # a frame of another kind: answer and go on. A frame above the hard cap
+                    # ended the reader, so this send fails and the connection is dropped.
+                    ch.send_frame(KIND_OBJECT, wire.error_reply(
+                        None, "bad_request", f"{exc} (requests are msgpack object frames)"))
+                    continue
+                ch.send_frame(KIND_OBJECT, self.handle(who, buf))
+        except PeerTimeout:
+            log.debug("%s: idle connection closed", who)
+        except ChannelError as exc:
+            log.debug("%s: connection ended: %s", who, exc)
+        finally:
+            ch.close()
+            slot.close()
+
+    # ------------------------------------------------------------------ requests
+    def _identity_lock(self, who: str) -> threading.Lock:
+        with self._id_guard:
+            return self._id_locks.setdefault(who, threading.Lock())
+
+    def handle(self, who: str, buf: bytes | bytearray) -> bytes:
+        """Answer one request of identity ``who``: a reply frame, never an exception."""
+        msg_id = None
+        try:
+            if not self._bucket(who).take():
+                raise wire.WireError("rate_limited", f"more than {self.cfg.limits.requests_per_second:g} "
+                                                     f"requests per second from {who}; slow down")
+            req = wire.parse_request(buf, self.max_bytes)
+            msg_id = req.id
+            self._authorize(who, req)
+            fn = self._ops[req.op]
+            if req.op in wire.MUTATING_OPS:
+                wire.check_nonce_window(req.fields["nonce"])  # at most NONCE_WINDOW_NS ahead of our clock
+                with self._identity_lock(who):
+                    last = self.state.last_nonce(who)
+                    if req.fields["nonce"] <= last:
+                        raise wire.WireError("replay", f"nonce {req.fields['nonce']} is not larger "
+                                                       f"than the last accepted one ({last}) of {who}")
+                    out = fn(who, req.fields)
+                    self.state.record_nonce(who, req.fields["nonce"])
+            else:
+                out = fn(who, req.fields)
+            return wire.ok_reply(msg_id, **out)
+        except wire.WireError as exc:
+            return wire.error_reply(exc.msg_id or msg_id, exc.code, exc.message)
+        except ForgottenClientError as exc:
+            return wire.error_reply(msg_id, "forgotten", str(exc))
+        except StagingConflictError as exc:
+            return wire.error_reply(msg_id, "conflict", str(exc))
+        except StagingError as exc:
+            return wire.error_reply(msg_id, "closed", str(exc))
+        except JobError as exc:
+            return wire.error_reply(msg_id, "conflict", str(exc))
+        except (ValueError, TypeError) as exc:
+            return wire.error_reply(msg_id, "bad_request", str(exc))
+        except Exception:  # noqa: BLE001 - the client gets a reply, the log the traceback
+            log.exception("request from %s failed", who)
+            return wire.error_reply(msg_id, "internal", "internal error (see the server log)")
+
+    def _bucket(self, who: str) -> TokenBucket:
+        with self._id_guard:   # identities are certificate holders: the table stays small
+            b = self._buckets.get(who)
+            if b is None:
+                lim = self.cfg.limits
+                b = self._buckets[who] = TokenBucket(lim.requests_per_second, lim.request_burst)
+            return b
+
+    def _authorize(self, who: str, req: wire.Request) -> None:
+        if who == tls.ADMIN_NAME:
+            if req.op not in ADMIN_OPS:
+                raise wire.WireError("unauthorized", f"{req.op} is for FL clients; admin may use "
+                                                     f"{sorted(ADMIN_OPS)}")
+            return
+        cid = wire.client_id_of(who)
+        if cid is None:  # the TLS layer lets no one else in; belt and braces
+            raise wire.WireError("unauthorized", f"{who} is not a client of this deployment")
+        if req.op in ONLY_ADMIN_OPS:
+            raise wire.WireError("unauthorized", f"{req.op} is for the operator (admin)")
+        if req.op not in FORGOTTEN_OPS and self.store.is_forgotten(cid):
+            raise wire.WireError("forgotten", f"client {cid} was forgotten (its data erased by an "
+                                              "unlearning job); the operator must re-enrol it first")
+
+    # ------------------------------------------------------------------ public state
+    def _op_state(self, who: str, f: dict) -> dict:
+        T = self.store.num_rounds
+        cid = wire.client_id_of(who)
+        open_round = self.rounds.open_round()
+        return {"party": self.party, "T": T, "rounds": self.cfg.fl.rounds,
+                "fl_rounds": self.store.fl_rounds, "open_round": open_round,
+                "training": open_round is not None, "paused": self.jobs.pending(),
+                "dim": self.store.dim, "precision": self.store.precision,
+                "server_lr": self.store.server_lr, "busy_job": self.jobs.running,
+                "forgotten": cid is not None and self.store.is_forgotten(cid)}
+
+    def _op_get_model(self, who: str, f: dict) -> dict:
+        T = self.store.num_rounds
+        i = f.get("round", T)
+        if i > T:
+            raise wire.WireError("not_found", f"model {i} does not exist yet (T = {T})")
+        return {"round": i, "model": wire.tensor(self.store.model(i))}
+
+    def _op_round_info(self, who: str, f: dict) -> dict:
+        i, T = f["round"], self.store.num_rounds
+        if i > T:
+            raise wire.WireError("not_found", f"round {i} is not committed (T = {T})")
+        parts = list(self.store.participants(i))
+        w = self.store.weights(i)
+        meta = self.store.metadata(i)
+        sizes = meta.get("num_samples", {})
+        return {"round": i, "kind": self.store.round_kind(i), "job": meta.get("job"),
+                "participants": parts, "weights": [w[j] for j in parts],
+                "num_samples": [int(sizes.get(str(j), 0)) for j in parts],
+                "erased": list(meta.get("erased", [])), "refused": list(meta.get("refused", [])),
+                # rounds committed before the key existed were FedAvg
+                "aggregator": meta.get("aggregator", "fedavg") if self.store.round_kind(i) == "fl" else None,
+                "threshold_refused": list(meta.get("threshold_refused", []))}
+
+    def _op_status(self, who: str, f: dict) -> dict:
+        T = self.store.num_rounds
+        jobs = [self._job_dict(j) for j in self.store.jobs() if self._may_see(who, j)][-100:]
+        out = {"party": self.party, "T": T, "rounds": self.cfg.fl.rounds,
+               "fl_rounds": self.store.fl_rounds, "open_round": self.rounds.open_round(),
+               "staged": list(self.store.staged(T + 1)), "busy_job": self.jobs.running,
+               "paused": self.jobs.pending(), "jobs": jobs}
+        if who == tls.ADMIN_NAME:
+            out["forgotten"] = [{"client": c, **{k: v for k, v in rec.items() if v is not None}}
+                                for c, rec in sorted(self.store.forgotten().items())]
+        return out
+
+    # ------------------------------------------------------------------ uploads
+    def max_num_samples(self) -> int:
+        """The cap on |D_j|: the configured one, never above what keeps a full round of
+        ``clients_expected`` uploads inside the exact ring aggregation's bound."""
+        fits = max_total_samples(self.store.precision) // max(1, self.cfg.fl.clients_expected)
+        configured = self.cfg.limits.max_num_samples
+        return max(1, min(fits, configured) if configured else fits)
+
+    def _op_upload(self, who: str, f: dict) -> dict:
+        cid = wire.client_id_of(who)
+        assert cid is not None
+        r, T = f["round"], self.store.num_rounds
+        if self.rounds.open_round() is None:
+            raise wire.WireError("closed", f"training finished ({self.store.fl_rounds} FL rounds); "
+                                           "no round is open")
+        if self.jobs.pending():
+            raise wire.WireError("paused", "an unlearning job is pending; FL resumes from the "
+                                           "model it adopts (retry then, on the new model)")
+        if r != T + 1:
+            raise wire.WireError("closed", f"round {r} is not open; the open round is {T + 1}")
+        dim = self.store.dim
+        update = wire.decode_share(f["update"], "update", (dim,), self.party)
+        norm = wire.decode_share(f["norm"], "norm", (), self.party)
+        delta = wire.decode_share(f["delta"], "delta", (), self.party)
+        threshold = self._threshold_share(f.get("threshold"))
+        n = f["num_samples"]
+        cap = self.max_num_samples()
+        if n > cap:
+            raise wire.WireError("bad_request", f"num_samples {n} is above this deployment's cap "
+                                                f"of {cap} per upload (limits.max_num_samples)")
+        staged = cid in self.store.staged(r)
+        prev = self.state.size(r, cid)
+        if staged and prev is not None and prev != n:
+            raise wire.WireError("conflict", f"client {cid} already uploaded for round {r} with "
+                                             f"num_samples {prev}, not {n}")
+        if prev != n:
+            self.state.set_size(r, cid, n)
+        stored = self.store.stage_upload(r, cid, update, norm, delta, threshold=threshold)
+        checkpoint("upload-staged")
+        self.rounds.wake()
+        return {"round": r, "stored": stored}
+
+    def _threshold_share(self, field: dict | None) -> np.ndarray | bytes | None:
+        """FedSECA's lambda_k share: required where ``fl.aggregator`` is fedseca, refused elsewhere
+        (so every other deployment's uploads are what they always were)."""
+        aggregator = self.cfg.fl.aggregator
+        if aggregator == "fedseca":
+            if field is None:
+                raise wire.WireError("bad_request", "this deployment aggregates with fedseca "
+                                     "(fl.aggregator): an upload needs `threshold`, the client's share "
+                                     f"of lambda_k (the {self.cfg.fl.fedseca_gamma:g}-quantile of its "
+                                     "encoded |g|)")
+            return wire.decode_share(field, "threshold", (), self.party)
+        if field is not None:
+            raise wire.WireError("bad_request", f"this deployment aggregates with {aggregator} "
+                                 "(fl.aggregator) and takes no `threshold`")
+        return None
+
+    # ------------------------------------------------------------------ unlearning requests and jobs
+    def _fl_clients(self) -> frozenset[int]:
+        T = self.store.num_rounds
+        if self._clients_cache[0] != T:
+            seen: set[int] = set()
+            for i in range(1, T + 1):
+                seen.update(self.store.participants(i))
+            self._clients_cache = (T, frozenset(seen))
+        return self._clients_cache[1]
+
+    def _op_unlearn(self, who: str, f: dict) -> dict:
+        cid = wire.client_id_of(who)
+        targets = f.get("targets")
+        if cid is not None:
+            if targets is not None and targets != [cid]:
+                raise wire.WireError("unauthorized", f"{who} may request unlearning of its own data "
+                                                     f"only (client {cid}), not of {targets}")
+            targets = [cid]
+        elif targets is None:
+            raise wire.WireError("bad_request", "admin must name the targets")
+        pending = [j for j in self.store.jobs() if j.requester == who and j.state in PENDING]
+        quota = ADMIN_PENDING_JOBS if cid is None else self.cfg.limits.max_pending_jobs
+        if len(pending) >= quota and all(j.id != f["job"] for j in pending):
+            raise wire.WireError("rate_limited", f"{who} has {len(pending)} unlearning jobs pending "
+                                                 f"(at most {quota}): {[j.id for j in pending]}")
+        gone = sorted(t for t in targets if self.store.is_forgotten(t))
+        if gone:
+            raise wire.WireError("forgotten", f"clients {gone} are already forgotten")
+        unknown = sorted(set(targets) - self._fl_clients())
+        if unknown:
+            raise wire.WireError("not_found", f"clients {unknown} took part in no committed round")
+        rec = self.jobs.submit(who, targets, f["job"])
+        self.rounds.wake()
+        return {"job": rec.id, "state": rec.state}
+
+    @staticmethod
+    def _job_dict(rec: JobRecord) -> dict:
+        return {"job": rec.id, "requester": rec.requester, "targets": list(rec.targets),
+                "state": rec.state, "progress": rec.progress, "error": rec.error,
+                "attempts": rec.attempts, "created_at": rec.created_at, "updated_at": rec.updated_at}
+
+    @staticmethod
+    def _may_see(who: str, rec: JobRecord) -> bool:
+        cid = wire.client_id_of(who)
+        return who == tls.ADMIN_NAME or rec.requester == who or (cid is not None and cid in rec.targets)
+
+    def _op_job_status(self, who: str, f: dict) -> dict:
+        rec = self._visible_job(who, f["job"])
+        out = self._job_dict(rec)
+        erasure = self.store.erasure(rec.id)
+        if erasure is not None:
+            out["erasure"] = erasure.to_json()       # this server's own confirmation
+        if rec.receipt is not None:
+            out["receipt"] = dict(rec.receipt)        # both servers' confirmations
+        if rec.state in (JobState.COMPUTED, JobState.DONE) and rec.result_path:
+            summary, model = read_result(rec.result_path)
+            out["result"] = {k: summary[k] for k in RESULT_FIELDS if k in summary}
+            if f.get("with_model"):
+                out["model"] = wire.tensor(model)
+        return out
+
+    def _visible_job(self, who: str, job: str) -> JobRecord:
+        """The job, if ``who`` may see it; one answer for "absent" and "not yours", so a
+        client cannot learn which job ids exist."""
+        try:
+            rec = self.store.job(job)
+        except KeyError:
+            rec = None
+        if rec is None or not self._may_see(who, rec):
+            raise wire.WireError("not_found", f"no unlearning job {job!r} visible to {who}")
+        return rec
+
+    def _op_cancel_job(self, who: str, f: dict) -> dict:
+        rec = self._visible_job(who, f["job"])
+        rec = self.jobs.cancel(rec.id, who)
+        self.rounds.wake()
+        return {"job": rec.id, "state": rec.state,
+                "note": "the run stops at its next round" if rec.state == JobState.RUNNING else ""}
+
+    def _op_staged(self, who: str, f: dict) -> dict:
+        r = self.store.num_rounds + 1
+        sizes = self.state.sizes(r)
+        rows = [{**row, "num_samples": sizes.get(row["client"])} for row in self.store.staged_summary(r)]
+        return {"round": r, "uploads": rows}
+
+    def _op_drop_staged(self, who: str, f: dict) -> dict:
+        r = self.store.num_rounds + 1
+        dropped = self.store.drop_staged(r, f["client"])
+        if not dropped:
+            raise wire.WireError("not_found", f"client {f['client']} has no upload staged for round {r}")
+        log.warning("%s dropped the staged upload of client %d for round %d", who, f["client"], r)
+        return {"round": r, "dropped": list(dropped)}
+
+    def _op_reenrol(self, who: str, f: dict) -> dict:
+        try:
+            self.store.reenrol(f["client"], who)
+        except KeyError:
+            raise wire.WireError("not_found", f"client {f['client']} is not forgotten") from None
+        return {"client": f["client"], "reenrolled": True}
+
+    # ------------------------------------------------------------------ correction tasks
+    def _op_poll_tasks(self, who: str, f: dict) -> dict:
+        cid = wire.client_id_of(who)
+        return {"tasks": [{"task": t.id, "job": t.job, "round": t.round, "model_sha256": t.model_sha256}
+                          for t in self.board.open_for(cid)]}
+
+    def _op_get_task(self, who: str, f: dict) -> dict:
+        t = self.board.get(f["task"], wire.client_id_of(who))
+        return {"task": t.id, "job": t.job, "round": t.round, "model": wire.tensor(t.model),
+                "model_sha256": t.model_sha256}
+
+    def _op_task_result(self, who: str, f: dict) -> dict:
+        cid = wire.client_id_of(who)
+        self.board.get(f["task"], cid)  # existence and addressee before decoding
+        share = wire.decode_share(f["update"], "update", (self.store.dim,), self.party)
+        return {"stored": self.board.submit(f["task"], cid, share)}

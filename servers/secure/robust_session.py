@@ -1,0 +1,101 @@
+"""The robust aggregation of a round's uploads: one 2PC session of both servers at round close.
+
+Why: under ``[fl] aggregator = "fedseca" | "brace-sign"`` the next model is not the FedAvg sum
+(which the servers open from their local share sums, ``servers.secure.ring_aggregation``) but a
+Byzantine-robust rule, which needs comparisons on the shares. So, after the range check
+(``servers.secure.round_checks``, the template of this module), both servers open a fresh 2PC session
+(ticket ``round:<r>:aggregate:<digest of the participants>``; server 1 accepts on
+``mpc_port``; correlated randomness from the dealer or made between the servers, as
+``[deployment] offline`` says) and run on the staged shares of the round's participants:
+
+* ``fedseca``: ``check_thresholds`` on every participant's update and the lambda_k share it
+  uploaded (one bit per client is opened: is lambda_k exactly the gamma-quantile of its
+  |g_k|?); the clients whose bit is 0 are left out; then ``fedseca`` on the others' updates
+  with their thresholds, and the aggregate g_tilde (D values) is opened;
+* ``brace-sign``: ``brace_sign`` on the participants' updates; the +-1 vote is opened.
+
+Nothing else is opened (``protocols/robust_aggregation.py``, "What is opened"); both servers
+get the same vector. The step rule that turns it into M_r is ``servers.secure.robust_steps``.
+Rounds, range checks and unlearning jobs never overlap, so the sessions never compete for
+``mpc_port`` or CrypTen's process-wide communicator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.service_config import ServiceConfig
+from protocols.backend import reveal, stack
+from protocols.robust_aggregation import brace_sign, check_thresholds, fedseca
+
+from servers.secure.robust_steps import brace_vote_lambda
+from servers.secure.round_checks import open_round_session
+from servers.store.share_store import ShareStore
+
+__all__ = ["OpenedAggregate", "aggregate_round_uploads", "aggregate_digest"]
+
+
+@dataclass(frozen=True)
+class OpenedAggregate:
+    """What a robust round's session opened: who entered the aggregate, whose threshold was
+    wrong, the aggregate itself (None if no client was left), and the session's meters."""
+
+    checked: tuple[int, ...]
+    participants: tuple[int, ...]
+    threshold_refused: tuple[int, ...]
+    vector: np.ndarray | None
+    meters: dict
+
+
+def aggregate_digest(vector: np.ndarray) -> str:
+    """SHA-256 of the opened aggregate's float64 bytes (the servers compare it at the close)."""
+    return hashlib.sha256(np.ascontiguousarray(vector, dtype="<f8").tobytes()).hexdigest()
+
+
+def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, round_no: int,
+                            participants: Sequence[int],
+                            mpc_listener: socket.socket | None) -> OpenedAggregate:
+    """Run this server's side of round ``round_no``'s robust aggregation (see the module doc)."""
+    parts = list(participants)
+    fl = cfg.fl
+    if fl.aggregator not in ("fedseca", "brace-sign"):
+        raise ValueError(f"{fl.aggregator!r} is not a robust aggregator")
+    if not parts:
+        raise ValueError("a robust aggregation needs at least one participant")
+    party = open_round_session(rank, cfg, round_no, "aggregate", parts, mpc_listener)
+    try:
+        prec = store.precision
+        rows = [party.wrap_share(store.staged_upload(round_no, j).update, precision=prec) for j in parts]
+        kept = list(range(len(parts)))
+        vector = None
+        if fl.aggregator == "fedseca":
+            thresholds = [store.staged_threshold(round_no, j) for j in parts]
+            missing = [j for j, t in zip(parts, thresholds) if t is None]
+            if missing:
+                # cannot happen through the client API, which requires the threshold here
+                raise ValueError(f"round {round_no}: clients {missing} staged no threshold")
+            lams = [party.wrap_share(t.reshape(1), precision=prec) for t in thresholds]
+            with party.meter("threshold_check"):
+                ok = check_thresholds(stack(rows), stack(lams).reshape(-1), fl.fedseca_gamma)
+            kept = [k for k, good in enumerate(ok.tolist()) if good]
+            if kept:
+                with party.meter("aggregate"):
+                    agg = fedseca(stack([rows[k] for k in kept]),
+                                  thresholds=stack([lams[k] for k in kept]).reshape(-1),
+                                  gamma=fl.fedseca_gamma, meter=party.meter)
+        else:
+            with party.meter("aggregate"):
+                agg = brace_sign(stack(rows), lam=brace_vote_lambda(fl, len(parts)))
+        if kept:
+            with party.meter("open"):
+                vector = reveal(agg).numpy().astype(np.float64).reshape(-1)
+        meters = party.meters()
+    finally:
+        party.close()
+    return OpenedAggregate(tuple(parts), tuple(parts[k] for k in kept),
+                           tuple(j for k, j in enumerate(parts) if k not in kept), vector, meters)

@@ -1,0 +1,1 @@
+"""The server's durable store: committed rounds, staging, job records, erasure, crash recovery."""
