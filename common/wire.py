@@ -22,11 +22,13 @@ clients use this module without torch or CrypTen.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import msgpack
@@ -38,7 +40,8 @@ __all__ = ["VERSION", "ERROR_CODES", "MUTATING_OPS", "REQUESTS", "WireError", "R
            "pack", "unpack", "unpack_bounded", "parse_request", "make_request", "ok_reply",
            "error_reply", "tensor", "decode_tensor", "decode_share", "share_field", "check_reply",
            "client_id_of", "JOB_ID_RE", "TASK_ID_RE", "MAX_NONCE", "NONCE_WINDOW_NS",
-           "check_nonce_window"]
+           "check_nonce_window", "Validator", "Schema", "check_fields", "integer", "boolean", "number",
+           "text", "string", "nullable", "member", "int_set", "int_sequence", "ring_vector"]
 
 VERSION = 1
 ERROR_CODES = ("bad_request", "too_large", "version", "unknown_op", "unauthorized", "replay",
@@ -69,10 +72,14 @@ class WireError(Exception):
 
 
 # ------------------------------------------------------------------ field validators
+# The one set of field checks of both links: the client API's table below and the servers'
+# control messages (``servers.daemon.peer_messages``) declare their fields with these.
 Validator = Callable[[str, Any], Any]
+#: msgpack's largest integer: an upper bound that refuses nothing msgpack can carry
+MAX_MSGPACK_INT = 2**64 - 1
 
 
-def _int(lo: int, hi: int) -> Validator:
+def integer(lo: int, hi: int = MAX_MSGPACK_INT) -> Validator:
     def check(name: str, v: Any) -> int:
         if isinstance(v, bool) or not isinstance(v, int):
             raise WireError("bad_request", f"field {name!r} must be an integer, got {type(v).__name__}")
@@ -82,13 +89,27 @@ def _int(lo: int, hi: int) -> Validator:
     return check
 
 
-def _bool(name: str, v: Any) -> bool:
+def boolean(name: str, v: Any) -> bool:
     if not isinstance(v, bool):
         raise WireError("bad_request", f"field {name!r} must be a boolean")
     return v
 
 
-def _string(pattern: re.Pattern[str]) -> Validator:
+def number(name: str, v: Any) -> float:
+    """A finite float or integer (never a boolean), as a float."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise WireError("bad_request", f"field {name!r} must be a finite number")
+    return float(v)
+
+
+def text(name: str, v: Any) -> str:
+    """Any string; a field whose content matters takes :func:`string` with its pattern."""
+    if not isinstance(v, str):
+        raise WireError("bad_request", f"field {name!r} must be a string")
+    return v
+
+
+def string(pattern: re.Pattern[str]) -> Validator:
     # fullmatch, not match: the patterns end in ``$``, which also matches before a final
     # newline, and "job\n" must not pass as a job id (it becomes a file name on the server)
     def check(name: str, v: Any) -> str:
@@ -98,15 +119,41 @@ def _string(pattern: re.Pattern[str]) -> Validator:
     return check
 
 
-def _int_list(max_len: int) -> Validator:
+def nullable(check: Validator) -> Validator:
+    """``check``, or nil (None)."""
+    def nil_or(name: str, v: Any) -> Any:
+        return None if v is None else check(name, v)
+    return nil_or
+
+
+def member(enum: type[Enum]) -> Validator:
+    """The member of a string-valued enum named by its value."""
+    def check(name: str, v: Any) -> Any:
+        try:
+            return enum(text(name, v))
+        except ValueError:
+            raise WireError("bad_request", f"field {name!r} must be one of "
+                                           f"{[m.value for m in enum]}, got {v!r}") from None
+    return check
+
+
+def int_set(max_len: int) -> Validator:
+    """1..max_len distinct identifiers (0..MAX_NONCE), sorted: the order carries nothing."""
     def check(name: str, v: Any) -> list[int]:
         if not isinstance(v, list) or not 1 <= len(v) <= max_len:
             raise WireError("bad_request", f"field {name!r} must be a list of 1..{max_len} integers")
-        out = [_int(0, MAX_NONCE)(f"{name}[]", x) for x in v]
+        out = [integer(0, MAX_NONCE)(f"{name}[]", x) for x in v]
         if len(set(out)) != len(out):
             raise WireError("bad_request", f"field {name!r} has repeated values")
         return sorted(out)
     return check
+
+
+def int_sequence(name: str, v: Any) -> tuple[int, ...]:
+    """A list of integers kept in its order (the order pairs it with another list)."""
+    if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+        raise WireError("bad_request", f"field {name!r} must be a list of integers")
+    return tuple(v)
 
 
 def _tensor_map(name: str, v: Any) -> dict:
@@ -130,51 +177,80 @@ def _tensor_map(name: str, v: Any) -> dict:
     return v
 
 
-_NONCE = _int(1, MAX_NONCE)
-_ROUND = _int(1, 2**31 - 1)
+def ring_vector(dim: int) -> Validator:
+    """A tensor of ``dim`` int64 ring elements (never a seed), decoded."""
+    def check(name: str, v: Any) -> np.ndarray:
+        return decode_tensor(_tensor_map(name, v), name, ("<i8",), (dim,))
+    return check
+
+
+_NONCE = integer(1, MAX_NONCE)
+_ROUND = integer(1, 2**31 - 1)
 
 
 @dataclass(frozen=True)
-class _Schema:
+class Schema:
+    """A message's fields: the required and the optional ones, each with its validator."""
+
     required: Mapping[str, Validator]
-    optional: Mapping[str, Validator]
+    optional: Mapping[str, Validator] = field(default_factory=dict)
+
+
+def check_fields(schema: Schema, body: Any, what: str, *, ignore_unknown: bool = False) -> dict[str, Any]:
+    """The validated fields of the map ``body`` (``what`` names it in errors).
+
+    ``ignore_unknown``: leave fields outside the schema unread instead of refusing them (the
+    servers' link, whose maps also carry its envelope, ``op`` or ``ok``).
+    """
+    if not isinstance(body, Mapping):
+        raise WireError("bad_request", f"{what} must be a map")
+    known = set(schema.required) | set(schema.optional)
+    if ignore_unknown:
+        body = {k: v for k, v in body.items() if k in known}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise WireError("bad_request", f"{what}: unknown fields {unknown}")
+    missing = sorted(set(schema.required) - set(body))
+    if missing:
+        raise WireError("bad_request", f"{what}: missing fields {missing}")
+    return {k: (schema.required.get(k) or schema.optional[k])(k, v) for k, v in body.items()}
 
 
 #: Every operation of the client API: required and optional fields (besides v, op, id).
-REQUESTS: Mapping[str, _Schema] = {
+REQUESTS: Mapping[str, Schema] = {
     # public state: open round, T, whether training goes on (no model bytes)
-    "state": _Schema({}, {}),
+    "state": Schema({}, {}),
     # the published model M_T (or M_round); public
-    "get_model": _Schema({}, {"round": _int(0, 2**31 - 1)}),
+    "get_model": Schema({}, {"round": integer(0, 2**31 - 1)}),
     # public data of a committed round: participants, weights
-    "round_info": _Schema({"round": _ROUND}, {}),
+    "round_info": Schema({"round": _ROUND}, {}),
     # this client's shares of g, ||g||, delta for the open round, and |D_j| in the clear;
     # ``threshold``: its share of FedSECA's lambda_k, required (only) where fl.aggregator = fedseca
-    "upload": _Schema({"round": _ROUND, "update": _tensor_map, "norm": _tensor_map,
-                       "delta": _tensor_map, "num_samples": _int(1, 2**31 - 1),
-                       "nonce": _NONCE}, {"threshold": _tensor_map}),
+    "upload": Schema({"round": _ROUND, "update": _tensor_map, "norm": _tensor_map,
+                      "delta": _tensor_map, "num_samples": integer(1, 2**31 - 1),
+                      "nonce": _NONCE}, {"threshold": _tensor_map}),
     # unlearning of the caller's own data (clients) or of any targets (admin)
-    "unlearn": _Schema({"job": _string(JOB_ID_RE), "nonce": _NONCE},
-                       {"targets": _int_list(MAX_TARGETS)}),
+    "unlearn": Schema({"job": string(JOB_ID_RE), "nonce": _NONCE},
+                      {"targets": int_set(MAX_TARGETS)}),
     # open correction tasks addressed to the caller
-    "poll_tasks": _Schema({}, {}),
+    "poll_tasks": Schema({}, {}),
     # one task's public model (large; fetched once per task)
-    "get_task": _Schema({"task": _string(TASK_ID_RE)}, {}),
+    "get_task": Schema({"task": string(TASK_ID_RE)}, {}),
     # this client's share of its exact update for a task
-    "task_result": _Schema({"task": _string(TASK_ID_RE), "update": _tensor_map,
-                            "nonce": _NONCE}, {}),
+    "task_result": Schema({"task": string(TASK_ID_RE), "update": _tensor_map,
+                           "nonce": _NONCE}, {}),
     # a job's record (and optionally its result model)
-    "job_status": _Schema({"job": _string(JOB_ID_RE)}, {"with_model": _bool}),
+    "job_status": Schema({"job": string(JOB_ID_RE)}, {"with_model": boolean}),
     # server status: rounds, staging, jobs visible to the caller, forgotten clients (admin)
-    "status": _Schema({}, {}),
+    "status": Schema({}, {}),
     # admin: cancel a job that has not been adopted yet (queued, running or computed)
-    "cancel_job": _Schema({"job": _string(JOB_ID_RE), "nonce": _NONCE}, {}),
+    "cancel_job": Schema({"job": string(JOB_ID_RE), "nonce": _NONCE}, {}),
     # admin: the uploads staged for the open round (public bookkeeping, no shares)
-    "staged": _Schema({}, {}),
+    "staged": Schema({}, {}),
     # admin: withdraw one client's staged upload of the open round
-    "drop_staged": _Schema({"client": _int(0, 10**18), "nonce": _NONCE}, {}),
+    "drop_staged": Schema({"client": integer(0, 10**18), "nonce": _NONCE}, {}),
     # admin: let a forgotten client take part again (its erased data stays erased)
-    "reenrol": _Schema({"client": _int(0, 10**18), "nonce": _NONCE}, {}),
+    "reenrol": Schema({"client": integer(0, 10**18), "nonce": _NONCE}, {}),
 }
 #: Operations that change state; they carry a per-identity strictly increasing nonce.
 MUTATING_OPS = frozenset({"upload", "unlearn", "task_result", "cancel_job", "reenrol", "drop_staged"})
@@ -235,7 +311,7 @@ def parse_request(buf: bytes | bytearray | memoryview, max_bytes: int) -> Reques
             raise WireError("version", f"protocol version {msg.get('v')!r} is not supported; "
                                        f"this server speaks v{VERSION} (the integer)")
         # msgpack map keys may also be bytes; a field name is a string, and checking here
-        # keeps the set arithmetic below on one key type
+        # keeps the set arithmetic of check_fields on one key type
         odd = [k for k in msg if not isinstance(k, str)]
         if odd:
             raise WireError("bad_request", f"field names must be strings, got {odd[:3]!r}")
@@ -244,18 +320,8 @@ def parse_request(buf: bytes | bytearray | memoryview, max_bytes: int) -> Reques
         op = msg.get("op")
         if not isinstance(op, str) or op not in REQUESTS:
             raise WireError("unknown_op", f"unknown operation {op!r}; known: {sorted(REQUESTS)}")
-        schema = REQUESTS[op]
         body = {k: v for k, v in msg.items() if k not in ("v", "op", "id")}
-        unknown = sorted(set(body) - set(schema.required) - set(schema.optional))
-        if unknown:
-            raise WireError("bad_request", f"{op}: unknown fields {unknown}")
-        missing = sorted(set(schema.required) - set(body))
-        if missing:
-            raise WireError("bad_request", f"{op}: missing fields {missing}")
-        fields = {}
-        for k, v in body.items():
-            check = schema.required.get(k) or schema.optional[k]
-            fields[k] = check(k, v)
+        fields = check_fields(REQUESTS[op], body, op)
         return Request(op, msg_id, fields)
     except WireError as exc:
         exc.msg_id = msg_id

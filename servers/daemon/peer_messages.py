@@ -16,25 +16,28 @@ op                      request                    reply
 ``job_receipt``         :class:`JobReceipt`        no fields
 ======================  =========================  ===========================================================
 
-Each message is a frozen dataclass; ``to_wire()`` gives the fields of its msgpack map and
-``from_wire()`` rebuilds it, checking every field's type (and the invariants a message must
-hold, e.g. sorted unique participants with one size each). A malformed message raises
-:class:`ValueError`, which server 1 reports as a refused request and server 0 as a failed
-leader step. The peer is a server of the same deployment running the same code, so there is
-no versioning: both sides change together.
+Each message is a frozen dataclass that declares its fields the way the client API does
+(``common.wire``: a :class:`~common.wire.Schema` of validators, ``SCHEMA``); ``to_wire()``
+gives its msgpack map and ``from_wire()`` rebuilds it, checking every field (and, in
+``__post_init__``, the invariants a message must hold, e.g. sorted unique participants with one
+size each). A malformed message raises :class:`ValueError`, which server 1 reports as a refused
+request and server 0 as a failed leader step. The peer is a server of the same deployment
+running the same code, so there is no versioning: both sides change together; for the same
+reason fields a message does not declare (the link's ``op`` and ``ok``) are left unread.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
 from common import wire
+from common.wire import Schema, boolean, int_sequence, integer, member, nullable, number, ring_vector, text
 
 from servers.store.job_records import JobState
 
@@ -51,84 +54,113 @@ MAX_JOB_ROWS = 1000
 #: An erasure report or receipt is public bookkeeping of a few hundred bytes per round.
 MAX_RECEIPT_BYTES = 1 << 20
 
-
-# ------------------------------------------------------------------ field checks
-def _fields(msg: Any, what: str) -> Callable[[str], Any]:
-    """``get(name)``: the field ``name`` of the map ``msg``; a missing field is a ValueError."""
-    if not isinstance(msg, Mapping):
-        raise ValueError(f"{what} must be a map")
-
-    def get(name: str) -> Any:
-        if name not in msg:
-            raise ValueError(f"{what} has no field {name!r}")
-        return msg[name]
-    return get
+M = TypeVar("M", bound="_Message")
 
 
-def _int(v: Any, what: str, lo: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{what} must be an integer >= {lo}")
+# ------------------------------------------------------------------ the declarative base
+@dataclass(frozen=True)
+class _Codec:
+    """A validator whose field has a wire form of its own (the reverse of the check)."""
+
+    check: wire.Validator
+    encode: Callable[[Any], Any]
+
+    def __call__(self, name: str, v: Any) -> Any:
+        return self.check(name, v)
+
+
+def _plain(v: Any) -> Any:
+    """The msgpack form of a field value: tuples as lists, enums by value, arrays as tensors."""
+    if isinstance(v, _Message):
+        return v.to_wire()
+    if isinstance(v, (tuple, list)):
+        return [_plain(x) for x in v]
+    if isinstance(v, Enum):
+        return v.value
+    if isinstance(v, np.ndarray):
+        return wire.tensor(v)
     return v
 
 
-def _str(v: Any, what: str) -> str:
-    if not isinstance(v, str):
-        raise ValueError(f"{what} must be a string")
-    return v
+class _Message:
+    """A control message: its fields are the dataclass's, checked by the validators of ``SCHEMA``.
+
+    ``VECTORS``: the fields holding a vector of model size (a share sum); their check needs the
+    model size ``dim``, which only the receiver knows, so :meth:`schema` adds them for it.
+    """
+
+    OP: ClassVar[str] = ""
+    SCHEMA: ClassVar[Schema] = Schema({})
+    VECTORS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def schema(cls, dim: int | None) -> Schema:
+        if not cls.VECTORS:
+            return cls.SCHEMA
+        if dim is None:
+            raise TypeError(f"{cls.__name__}.from_wire needs the model size dim")
+        return Schema({**cls.SCHEMA.required, **{name: ring_vector(dim) for name in cls.VECTORS}})
+
+    def to_wire(self) -> dict[str, Any]:
+        out = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            check = self.SCHEMA.required.get(f.name)
+            value = getattr(self, f.name)
+            out[f.name] = check.encode(value) if isinstance(check, _Codec) else _plain(value)
+        return out
+
+    @classmethod
+    def from_wire(cls: type[M], msg: Any, dim: int | None = None) -> M:
+        what = cls.OP or cls.__name__
+        try:
+            return cls(**wire.check_fields(cls.schema(dim), msg, what, ignore_unknown=True))
+        except wire.WireError as exc:
+            raise ValueError(exc.message if exc.message.startswith(what) else f"{what}: {exc.message}") from None
 
 
-def _opt_str(v: Any, what: str) -> str | None:
-    return None if v is None else _str(v, what)
-
-
-def _float(v: Any, what: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"{what} must be a finite number")
-    return float(v)
-
-
-def _int_list(v: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
-        raise ValueError(f"{what} must be a list of integers")
-    return tuple(v)
-
-
-def _tensor(v: Any, what: str, dim: int) -> np.ndarray:
-    if not isinstance(v, Mapping):
-        raise ValueError(f"{what} must be a tensor map")
-    try:
-        return wire.decode_tensor(v, what, ("<i8",), (dim,))
-    except KeyError as exc:
-        raise ValueError(f"{what}: tensor map without field {exc}") from None
-    except wire.WireError as exc:
-        raise ValueError(exc.message) from None
-
-
-def _bool(v: Any, what: str) -> bool:
-    if not isinstance(v, bool):
-        raise ValueError(f"{what} must be a boolean")
-    return v
-
-
-def _job_state(v: Any) -> JobState:
-    try:
-        return JobState(_str(v, "job.state"))
-    except ValueError:
-        raise ValueError(f"job.state must be one of {[s.value for s in JobState]}, got {v!r}") from None
-
-
-def _json_map(v: Any, what: str) -> dict[str, Any]:
+# ------------------------------------------------------------------ the link's own field kinds
+def _json_object(name: str, v: Any) -> dict[str, Any]:
     """A JSON object sent as a string (bounded); receipts travel this way."""
-    text = _str(v, what)
-    if len(text) > MAX_RECEIPT_BYTES:
-        raise ValueError(f"{what} is larger than {MAX_RECEIPT_BYTES} bytes")
+    raw = text(name, v)
+    if len(raw) > MAX_RECEIPT_BYTES:
+        raise wire.WireError("bad_request", f"field {name!r} is larger than {MAX_RECEIPT_BYTES} bytes")
     try:
-        out = json.loads(text)
+        out = json.loads(raw)
     except ValueError:
-        raise ValueError(f"{what} is not JSON") from None
+        raise wire.WireError("bad_request", f"field {name!r} is not JSON") from None
     if not isinstance(out, dict):
-        raise ValueError(f"{what} must be a JSON object")
+        raise wire.WireError("bad_request", f"field {name!r} must be a JSON object")
     return out
+
+
+_JSON_OBJECT = _Codec(_json_object, lambda v: json.dumps(dict(v), sort_keys=True))
+
+
+def _pairs(name: str, v: Any) -> dict[int, int]:
+    if not isinstance(v, list) or any(not isinstance(p, list) or len(p) != 2 for p in v):
+        raise wire.WireError("bad_request", f"field {name!r} must be a list of [client, size] pairs")
+    return dict(int_sequence(f"{name}[]", p) for p in v)
+
+
+_STAGED = _Codec(_pairs, lambda v: [[j, n] for j, n in v.items()])
+
+
+def _message(cls: type[_Message]) -> wire.Validator:
+    return lambda name, v: cls.from_wire(v)
+
+
+def _messages(cls: type[_Message]) -> wire.Validator:
+    def check(name: str, v: Any) -> tuple[Any, ...]:
+        if not isinstance(v, list):
+            raise wire.WireError("bad_request", f"field {name!r} must be a list")
+        return tuple(cls.from_wire(x) for x in v)
+    return check
+
+
+_ROUND = integer(1)
+_COUNT = integer(0)
+_IDS = int_sequence
+_DIGEST = text
 
 
 def params_key(params: Mapping[str, Any]) -> str:
@@ -136,22 +168,27 @@ def params_key(params: Mapping[str, Any]) -> str:
     return json.dumps(dict(params), sort_keys=True)
 
 
+def _check_participants(participants: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+    parts = list(participants)
+    if parts != sorted(set(parts)) or len(sizes) != len(parts) or not parts:
+        raise ValueError("participants must be sorted, unique, non-empty, one size each")
+
+
 # ------------------------------------------------------------------ state: server 1's view
 @dataclass(frozen=True)
-class GetState:
+class GetState(_Message):
     """Server 0 asks for server 1's view (reply :class:`PeerState`)."""
 
     OP: ClassVar[str] = "state"
 
-    def to_wire(self) -> dict[str, Any]:
-        return {}
-
 
 @dataclass(frozen=True)
-class LastRound:
+class LastRound(_Message):
     """Server 1's last committed round: its participants and their |D_j|, in that order;
     for an unlearning round (no participants) the job whose model it adopted."""
 
+    SCHEMA: ClassVar[Schema] = Schema({"round": _ROUND, "participants": _IDS, "sizes": _IDS,
+                                       "job": nullable(text)})
     round: int
     participants: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -164,21 +201,15 @@ class LastRound:
     def sizes_by_client(self) -> dict[int, int]:
         return dict(zip(self.participants, self.sizes))
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"round": self.round, "participants": list(self.participants), "sizes": list(self.sizes),
-                "job": self.job}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> LastRound:
-        g = _fields(msg, "last round")
-        return cls(_int(g("round"), "last.round", 1), _int_list(g("participants"), "last.participants"),
-                   _int_list(g("sizes"), "last.sizes"), _opt_str(g("job"), "last.job"))
-
 
 @dataclass(frozen=True)
-class JobRow:
+class JobRow(_Message):
     """One unlearning job as server 1 holds it; server 0 compares it with its own record."""
 
+    SCHEMA: ClassVar[Schema] = Schema({
+        "id": text, "requester": text, "targets": _IDS, "state": member(JobState), "params": text,
+        "created_at": number, "error": nullable(text), "attempts": _COUNT,
+        "result_digest": nullable(text), "has_receipt": boolean})
     id: str
     requester: str
     targets: tuple[int, ...]
@@ -200,61 +231,30 @@ class JobRow:
         return (self.requester == rec.requester and self.targets == tuple(rec.targets)
                 and self.params == params_key(rec.params))
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"id": self.id, "requester": self.requester, "targets": list(self.targets),
-                "state": self.state.value, "params": self.params, "created_at": self.created_at,
-                "error": self.error, "attempts": self.attempts, "result_digest": self.result_digest,
-                "has_receipt": self.has_receipt}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> JobRow:
-        g = _fields(msg, "job row")
-        return cls(_str(g("id"), "job.id"), _str(g("requester"), "job.requester"),
-                   _int_list(g("targets"), "job.targets"), _job_state(g("state")),
-                   _str(g("params"), "job.params"), _float(g("created_at"), "job.created_at"),
-                   _opt_str(g("error"), "job.error"), _int(g("attempts"), "job.attempts"),
-                   _opt_str(g("result_digest"), "job.result_digest"),
-                   _bool(g("has_receipt"), "job.has_receipt"))
-
 
 @dataclass(frozen=True)
-class PeerState:
+class PeerState(_Message):
     """Server 1's view: committed rounds T, staged uploads of round T + 1 with their reported
     |D_j|, the last committed round, its recent jobs and the job it is running (if any)."""
 
+    SCHEMA: ClassVar[Schema] = Schema({"T": _COUNT, "staged": _STAGED, "last": nullable(_message(LastRound)),
+                                       "jobs": _messages(JobRow), "busy": nullable(text)})
     T: int
     staged: Mapping[int, int]
     last: LastRound | None
     jobs: tuple[JobRow, ...] = ()
     busy: str | None = None
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"T": self.T, "staged": [[j, n] for j, n in self.staged.items()],
-                "last": None if self.last is None else self.last.to_wire(),
-                "jobs": [j.to_wire() for j in self.jobs], "busy": self.busy}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> PeerState:
-        g = _fields(msg, "state reply")
-        pairs = g("staged")
-        if not isinstance(pairs, list) or any(not isinstance(p, list) or len(p) != 2 for p in pairs):
-            raise ValueError("staged must be a list of [client, size] pairs")
-        staged = dict(_int_list(p, "staged pair") for p in pairs)
-        jobs = g("jobs")
-        if not isinstance(jobs, list):
-            raise ValueError("jobs must be a list")
-        last = g("last")
-        return cls(_int(g("T"), "T"), staged, None if last is None else LastRound.from_wire(last),
-                   tuple(JobRow.from_wire(j) for j in jobs), _opt_str(g("busy"), "busy"))
-
 
 # ------------------------------------------------------------------ closing a round
 @dataclass(frozen=True, eq=False)
-class CloseRound:
+class CloseRound(_Message):
     """Server 0 closes round ``round`` with these participants (sorted, unique, non-empty)
     and their |D_j|; ``share`` is server 0's weighted share sum (int64 ring elements)."""
 
     OP: ClassVar[str] = "close_round"
+    SCHEMA: ClassVar[Schema] = Schema({"round": _ROUND, "participants": _IDS, "sizes": _IDS, "refused": _IDS})
+    VECTORS: ClassVar[tuple[str, ...]] = ("share",)
     round: int
     participants: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -262,41 +262,20 @@ class CloseRound:
     refused: tuple[int, ...] = ()     # clients whose upload failed the range check this round
 
     def __post_init__(self) -> None:
-        parts = list(self.participants)
-        if parts != sorted(set(parts)) or len(self.sizes) != len(parts) or not parts:
-            raise ValueError("participants must be sorted, unique, non-empty, one size each")
+        _check_participants(self.participants, self.sizes)
 
     def sizes_by_client(self) -> dict[int, int]:
         return dict(zip(self.participants, self.sizes))
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"round": self.round, "participants": list(self.participants),
-                "sizes": list(self.sizes), "share": wire.tensor(self.share), "refused": list(self.refused)}
-
-    @classmethod
-    def from_wire(cls, msg: Any, dim: int) -> CloseRound:
-        g = _fields(msg, "close_round")
-        return cls(_int(g("round"), "round", 1), _int_list(g("participants"), "participants"),
-                   _int_list(g("sizes"), "sizes"), _tensor(g("share"), "share", dim),
-                   _int_list(g("refused"), "refused"))
-
 
 @dataclass(frozen=True)
-class _RoundSession:
+class _RoundSession(_Message):
     """Server 0 asks server 1 to join a 2PC session on these uploads of the open round; server 1
     answers at once and runs its side in a thread. Subclasses name the session's step."""
 
-    OP: ClassVar[str] = ""
+    SCHEMA: ClassVar[Schema] = Schema({"round": _ROUND, "participants": _IDS})
     round: int
     participants: tuple[int, ...]
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"round": self.round, "participants": list(self.participants)}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> Any:
-        g = _fields(msg, cls.OP)
-        return cls(_int(g("round"), "round", 1), _int_list(g("participants"), "participants"))
 
 
 @dataclass(frozen=True)
@@ -307,20 +286,14 @@ class CheckRound(_RoundSession):
 
 
 @dataclass(frozen=True, eq=False)
-class RoundShare:
+class RoundShare(_Message):
     """Server 1's reply to :class:`CloseRound`: its share sum and the digest of the model it
     computed (server 0 commits only if its own model has the same digest)."""
 
+    SCHEMA: ClassVar[Schema] = Schema({"model_sha256": _DIGEST})
+    VECTORS: ClassVar[tuple[str, ...]] = ("share",)
     share: np.ndarray = field(repr=False)
     model_sha256: str
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"share": wire.tensor(self.share), "model_sha256": self.model_sha256}
-
-    @classmethod
-    def from_wire(cls, msg: Any, dim: int) -> RoundShare:
-        g = _fields(msg, "close_round reply")
-        return cls(_tensor(g("share"), "share", dim), _str(g("model_sha256"), "model_sha256"))
 
 
 @dataclass(frozen=True)
@@ -331,7 +304,7 @@ class AggregateRound(_RoundSession):
 
 
 @dataclass(frozen=True)
-class CloseRobustRound:
+class CloseRobustRound(_Message):
     """Server 0 closes a robustly aggregated round: the participants whose shares entered the
     aggregate (sorted, unique, non-empty) with their |D_j|, the clients the range check
     (``refused``) and FedSECA's threshold check (``threshold_refused``) left out, and the
@@ -339,6 +312,9 @@ class CloseRobustRound:
     FedAvg sum is not public."""
 
     OP: ClassVar[str] = "close_robust_round"
+    SCHEMA: ClassVar[Schema] = Schema({"round": _ROUND, "participants": _IDS, "sizes": _IDS,
+                                       "aggregate_sha256": _DIGEST, "refused": _IDS,
+                                       "threshold_refused": _IDS})
     round: int
     participants: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -347,68 +323,41 @@ class CloseRobustRound:
     threshold_refused: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        parts = list(self.participants)
-        if parts != sorted(set(parts)) or len(self.sizes) != len(parts) or not parts:
-            raise ValueError("participants must be sorted, unique, non-empty, one size each")
+        _check_participants(self.participants, self.sizes)
 
     def sizes_by_client(self) -> dict[int, int]:
         return dict(zip(self.participants, self.sizes))
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"round": self.round, "participants": list(self.participants),
-                "sizes": list(self.sizes), "aggregate_sha256": self.aggregate_sha256,
-                "refused": list(self.refused), "threshold_refused": list(self.threshold_refused)}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> CloseRobustRound:
-        g = _fields(msg, "close_robust_round")
-        return cls(_int(g("round"), "round", 1), _int_list(g("participants"), "participants"),
-                   _int_list(g("sizes"), "sizes"), _str(g("aggregate_sha256"), "aggregate_sha256"),
-                   _int_list(g("refused"), "refused"),
-                   _int_list(g("threshold_refused"), "threshold_refused"))
-
 
 @dataclass(frozen=True)
-class ModelDigest:
+class ModelDigest(_Message):
     """Server 1's reply to :class:`CloseRobustRound`: the digest of the model it committed."""
 
+    SCHEMA: ClassVar[Schema] = Schema({"model_sha256": _DIGEST})
     model_sha256: str
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"model_sha256": self.model_sha256}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> ModelDigest:
-        return cls(_str(_fields(msg, "close_robust_round reply")("model_sha256"), "model_sha256"))
 
 
 # ------------------------------------------------------------------ jobs
 @dataclass(frozen=True)
-class JobStart:
+class JobStart(_Message):
     """Server 0 starts run ``attempt`` of job ``job`` on the first ``rounds`` rounds; server 1
     starts it too. The attempt names the run's 2PC session and correction tasks, so nothing
     of an earlier, interrupted run can be mistaken for this one's."""
 
     OP: ClassVar[str] = "job_start"
+    SCHEMA: ClassVar[Schema] = Schema({"job": text, "rounds": _COUNT, "attempt": integer(1)})
     job: str
     rounds: int
     attempt: int = 1
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"job": self.job, "rounds": self.rounds, "attempt": self.attempt}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> JobStart:
-        g = _fields(msg, "job_start")
-        return cls(_str(g("job"), "job"), _int(g("rounds"), "rounds"), _int(g("attempt"), "attempt", 1))
-
 
 @dataclass(frozen=True)
-class JobFail:
+class JobFail(_Message):
     """Server 0 tells server 1 to end a job that has not been adopted: ``state`` failed or
     cancelled (with the reason)."""
 
     OP: ClassVar[str] = "job_fail"
+    SCHEMA: ClassVar[Schema] = Schema({"job": text, "error": text, "state": member(JobState)})
     job: str
     error: str
     state: JobState = JobState.FAILED
@@ -417,89 +366,48 @@ class JobFail:
         if self.state not in (JobState.FAILED, JobState.CANCELLED):
             raise ValueError("job_fail: state must be failed or cancelled")
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"job": self.job, "error": self.error, "state": self.state.value}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> JobFail:
-        g = _fields(msg, "job_fail")
-        return cls(_str(g("job"), "job"), _str(g("error"), "error"), _job_state(g("state")))
-
 
 @dataclass(frozen=True)
-class AdoptJob:
+class AdoptJob(_Message):
     """Server 0 asks server 1 to adopt job ``job``'s model as round ``round`` and to erase the
     job's targets; server 1 checks that its own result has digest ``model_sha256``."""
 
     OP: ClassVar[str] = "job_adopt"
+    SCHEMA: ClassVar[Schema] = Schema({"job": text, "round": _ROUND, "model_sha256": _DIGEST})
     job: str
     round: int
     model_sha256: str
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"job": self.job, "round": self.round, "model_sha256": self.model_sha256}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> AdoptJob:
-        g = _fields(msg, "job_adopt")
-        return cls(_str(g("job"), "job"), _int(g("round"), "round", 1),
-                   _str(g("model_sha256"), "model_sha256"))
-
 
 @dataclass(frozen=True)
-class Confirmation:
+class Confirmation(_Message):
     """A server's erasure report for one adopted job (``ErasureReport.to_json()``)."""
 
+    SCHEMA: ClassVar[Schema] = Schema({"report": _JSON_OBJECT})
     report: Mapping[str, Any]
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"report": json.dumps(dict(self.report), sort_keys=True)}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> Confirmation:
-        g = _fields(msg, "job_adopt reply")
-        return cls(_json_map(g("report"), "report"))
 
 
 @dataclass(frozen=True)
-class JobReceipt:
+class JobReceipt(_Message):
     """Server 0 gives server 1 the full erasure receipt (both confirmations) of a job."""
 
     OP: ClassVar[str] = "job_receipt"
+    SCHEMA: ClassVar[Schema] = Schema({"job": text, "receipt": _JSON_OBJECT})
     job: str
     receipt: Mapping[str, Any]
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"job": self.job, "receipt": json.dumps(dict(self.receipt), sort_keys=True)}
-
-    @classmethod
-    def from_wire(cls, msg: Any) -> JobReceipt:
-        g = _fields(msg, "job_receipt")
-        return cls(_str(g("job"), "job"), _json_map(g("receipt"), "receipt"))
 
 
 PeerRequest = (GetState | CloseRound | CheckRound | AggregateRound | CloseRobustRound | JobStart
                | JobFail | AdoptJob | JobReceipt)
+#: server 1's requests by op
+_REQUESTS: dict[str, type[_Message]] = {cls.OP: cls for cls in (
+    GetState, CloseRound, CheckRound, AggregateRound, CloseRobustRound, JobStart, JobFail, AdoptJob,
+    JobReceipt)}
 
 
 def parse_request(op: str, msg: Mapping[str, Any], dim: int) -> PeerRequest:
     """The typed request of a control message (server 1's side); ``dim`` is the model size."""
-    if op == GetState.OP:
-        return GetState()
-    if op == CloseRound.OP:
-        return CloseRound.from_wire(msg, dim)
-    if op == CheckRound.OP:
-        return CheckRound.from_wire(msg)
-    if op == AggregateRound.OP:
-        return AggregateRound.from_wire(msg)
-    if op == CloseRobustRound.OP:
-        return CloseRobustRound.from_wire(msg)
-    if op == JobStart.OP:
-        return JobStart.from_wire(msg)
-    if op == JobFail.OP:
-        return JobFail.from_wire(msg)
-    if op == AdoptJob.OP:
-        return AdoptJob.from_wire(msg)
-    if op == JobReceipt.OP:
-        return JobReceipt.from_wire(msg)
-    raise ValueError(f"unknown control op {op!r}")
+    cls = _REQUESTS.get(op)
+    if cls is None:
+        raise ValueError(f"unknown control op {op!r}")
+    return cls.from_wire(msg, dim)  # type: ignore[return-value]
