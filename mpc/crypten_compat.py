@@ -239,39 +239,65 @@ def _ltz(self: Any) -> Any:
     return _crypten_mpc.MPCTensor.from_shares(below, precision=0)
 
 
+# CrypTen's two-party equality (``eq``, ``ne``; inside ``max``/``argmax`` along a dimension,
+# ``max_pool2d``, ``softmax``) compares the two parties' shares as bit strings, another binary
+# circuit. With a sign test at hand: [z == 0] = [z >= 0] + [-z >= 0] - 1, both tests in one call
+# (exact for every z but -2**63, whose negation is itself; CrypTen's values stay below 2**62).
+_ORIGINAL_EQZ = _crypten_mpc.MPCTensor._eqz_2PC
+
+
+def _eqz_2PC(self: Any) -> Any:
+    direct = getattr(crypten.mpc.get_default_provider(), "nonnegative_share", None)
+    if direct is None:
+        return _ORIGINAL_EQZ(self)
+    both = direct(torch.stack([self.share, -self.share]))
+    equal = both[0] + both[1]
+    if crypten.communicator.get().get_rank() == 0:
+        equal = equal - 1
+    return _crypten_mpc.MPCTensor.from_shares(equal, precision=0)
+
+
+_crypten_mpc.MPCTensor._eqz_2PC = _eqz_2PC
+
+
 _crypten_mpc.MPCTensor._ltz = _ltz
 
 # ------------------------------------------------------------------ products, two-party mode
 # A Beaver product opens both operands masked (x - a, y - b) after the triple (a, b, ab) was
 # made. Where the provider can compute the product of two sharings directly (two-party mode:
 # the engine's HE product), making the triple costs the same as the product itself, so the
-# Beaver step is skipped: no openings at all. ``direct_product(op, x_share, y_share)`` returns
-# this party's share of ``op(x, y)`` in the ring; other providers keep CrypTen's Beaver.
+# Beaver step is skipped: no openings at all. ``direct_product(op, x_share, y_share, *args,
+# **kwargs)`` returns this party's share of ``op(x, y)`` in the ring (convolutions with torch's
+# arguments, ``mpc.ring_conv``); other providers keep CrypTen's Beaver.
 from crypten.mpc.primitives import beaver as _beaver  # noqa: E402
 
-_ORIGINAL_BEAVER = {name: getattr(_beaver, name) for name in ("mul", "matmul", "square")}
+_PRODUCTS = ("mul", "matmul", "square", "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d")
+_ORIGINAL_BEAVER = {name: getattr(_beaver, name) for name in _PRODUCTS}
 
 
 def _direct_or_beaver(name: str) -> Any:
-    def product(x: Any, y: Any = None) -> Any:
+    def product(x: Any, y: Any = None, *args: Any, **kwargs: Any) -> Any:
         direct = getattr(crypten.mpc.get_default_provider(), "direct_product", None)
         if direct is None:
-            return _ORIGINAL_BEAVER[name](x, y) if y is not None else _ORIGINAL_BEAVER[name](x)
+            if name == "square":
+                return _ORIGINAL_BEAVER[name](x)
+            return _ORIGINAL_BEAVER[name](x, y, *args, **kwargs)
         if name == "square":
             share = direct("mul", x.share, x.share)
         else:
-            share = direct(name, x.share, y.share)
+            share = direct(name, x.share, y.share, *args, **kwargs)
         return ArithmeticSharedTensor.from_shares(share, precision=0)
     product.__name__ = name
     return product
 
 
-for _name in ("mul", "matmul", "square"):
+for _name in _PRODUCTS:
     setattr(_beaver, _name, _direct_or_beaver(_name))
 
 
 def replace_local_truncation(fn: Any) -> None:
-    """Every later two-party ``div_`` by a power of two 2**d runs ``fn(share, d)``; None restores."""
+    """Every later two-party ``div_`` by a power of two 2**d runs ``fn(share, d)``, and by any
+    other integer three such calls (``mpc.public_division``); None restores CrypTen's local one."""
     global _wrapfree_truncation
     _wrapfree_truncation = fn
 

@@ -3,15 +3,18 @@
 Where the dealer provider takes correlated randomness from a third party, this one makes each
 piece with the other server through the two-party engine (``mpc.spu_engine``, CHEETAH):
 
-* Beaver triples (``mul``, ``matmul``) and squares: each party draws its shares of a and b
-  from its own PRG, and the engine computes shares of c = a op b (lattice HE for the cross
-  terms). The online protocol that consumes them is unchanged.
+* Beaver triples (``mul``, ``matmul``, the convolutions) and squares: each party draws its
+  shares of a and b from its own PRG, and the engine computes shares of c = a op b (lattice HE
+  for the cross terms; a convolution is one ``matmul`` on the im2col layout, ``mpc.ring_conv``).
+  The online protocol that consumes them is unchanged.
 * Comparisons (``mpc.nonnegative``: the sign and window tests) and truncations are not built
   from dealer-style pieces here (an edabit and 118 AND triples per element would cost far more
   to make between two parties than the operation itself): the engine does the whole operation
   on the shares (``nonnegative_share``, ``below_power_of_two_share``, ``truncate_share``).
 * CrypTen's random bits (``B2A_rng``, used by ``crypten.rand``): each party's bit is its XOR
   share, and the arithmetic share takes one engine product of the two private bits.
+* CrypTen's equality (``eq``, ``ne``) takes two sign tests in the engine (``mpc.crypten_compat``),
+  not binary triples.
 * What our protocols never ask for in this mode (binary triples, edabits, truncation pairs,
   CrypTen's wrap randomness) is refused with a clear error rather than faked.
 
@@ -28,6 +31,9 @@ from .crypten_compat import ArithmeticSharedTensor as AST
 from .crypten_compat import BinarySharedTensor as BST
 from .crypten_compat import TupleProviderBase
 from common.prg import Prg, new_seed
+
+from .ring_conv import OPS as _CONVS
+from .ring_conv import ring_conv
 
 NAME = "STARFISH_TWO_PARTY"
 
@@ -74,12 +80,22 @@ class TwoPartyProvider(TupleProviderBase):
         return [g.ring(s) for s in shapes]
 
     # ---------------------------------------------------------------- CrypTen's interface
-    def generate_additive_triple(self, size0, size1, op, device=None, *args, **kwargs):
+    def _product(self, op: str, a: np.ndarray, b: np.ndarray, args: tuple, kwargs: dict, kind: str) -> np.ndarray:
+        """This party's share of op(a, b) for two sharings, from the engine's products."""
         engine = self._require()
-        if op not in _OPS or args or kwargs:
+        if op in _OPS and not args and not kwargs:
+            return engine.product(op, a, b, kind=kind)
+        if op in _CONVS:
+            def matmul(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return torch.from_numpy(engine.product("matmul", u.numpy(), v.numpy(), kind=kind))
+            return ring_conv(op, torch.from_numpy(a), torch.from_numpy(b), matmul, *args, **kwargs).numpy()
+        raise NotInTwoPartyMode(f"{op!r} products (arguments {args}, {kwargs}) are not made in two-party mode")
+
+    def generate_additive_triple(self, size0, size1, op, device=None, *args, **kwargs):
+        if op not in _OPS + _CONVS:
             raise NotInTwoPartyMode(f"Beaver triples for {op!r} are not made in two-party mode")
         a, b = self._random(_shape(size0), _shape(size1))
-        c = engine.product(op, a, b)
+        c = self._product(op, a, b, args, kwargs, "offline")
         return tuple(AST.from_shares(torch.from_numpy(t), precision=0) for t in (a, b, c))
 
     def square(self, size, device=None):
@@ -117,12 +133,14 @@ class TwoPartyProvider(TupleProviderBase):
         raise NotInTwoPartyMode("truncation pairs are not made in two-party mode: truncations run in the engine")
 
     # ---------------------------------------------------------------- whole operations
-    def direct_product(self, op: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """This party's share of x op y (``mul``, ``matmul``) computed by the engine itself, in
-        place of a Beaver triple and its two openings (``mpc.crypten_compat``)."""
-        if op not in _OPS:
+    def direct_product(self, op: str, x: torch.Tensor, y: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """This party's share of x op y (``mul``, ``matmul``, a convolution with torch's
+        arguments) computed by the engine itself, in place of a Beaver triple and its two
+        openings (``mpc.crypten_compat``)."""
+        if op not in _OPS + _CONVS:
             raise NotInTwoPartyMode(f"{op!r} products are not made in two-party mode")
-        return torch.from_numpy(self._require().product(op, x.numpy(), y.numpy(), kind="online"))
+        return torch.from_numpy(self._product(op, x.contiguous().numpy(), y.contiguous().numpy(), args, kwargs,
+                                              "online"))
 
     def nonnegative_share(self, share: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self._require().nonnegative(share.numpy()))
