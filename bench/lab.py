@@ -99,9 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("attacks and robust aggregation (docs/lab.md)")
     r.add_argument("--aggregator", choices=tuple(AGGREGATORS), default="fedavg",
                    help="server rule of the FL run and of Retrain (fedavg)")
-    r.add_argument("--starfish-replay", choices=("fedavg", "aggregator"), default="fedavg",
-                   help="the step of Starfish's and random selection's replay: FedAvg, as in the "
-                        "paper and the service (default), or the FL run's --aggregator")
+    r.add_argument("--starfish-replay", choices=("fedavg", "aggregator"), default="aggregator",
+                   help="the step of Starfish's and random selection's replay: the FL run's "
+                        "--aggregator, as the service's 2PC job replays a robust history (default; "
+                        "the paper's FedAvg step under --aggregator fedavg), or FedAvg whatever the rule")
     r.add_argument("--attack", choices=ATTACK_NAMES, default="backdoor",
                    help="what the attackers do (backdoor: the targets' poisoned data)")
     r.add_argument("--attackers", type=int,
@@ -215,7 +216,7 @@ def _make_method(name: str, args: argparse.Namespace):
         return FedRecover(buffer=args.buffer, beta=args.beta, warmup=args.buffer,
                           final_tuning=args.fedrecover_final,
                           abnormal_alpha=args.fedrecover_alpha)
-    replay = make_aggregator(args) if getattr(args, "starfish_replay", "fedavg") == "aggregator" else None
+    replay = make_aggregator(args) if getattr(args, "starfish_replay", "aggregator") == "aggregator" else None
     if name == "starfish":
         return Starfish(starfish_params(args), aggregator=replay)
     if name == "random":

@@ -25,6 +25,7 @@ import torch
 from common.robust_rules import (BRACE_CLIENTS, BRACE_DECAY, BRACE_LAMBDA, BRACE_SCALE, FEDSECA_BETA,
                                  FEDSECA_GAMMA, brace_lambda, brace_step_scale)
 from protocols.robust_aggregation import brace_sign, fedseca, momentum
+from protocols.starfish.robust_replay import RoundRule, RuleCombine
 
 from lab.fl import aggregate
 
@@ -145,25 +146,25 @@ def build_aggregator(name: str, **params: Any) -> FedAvg | FedSECA | BraceSign:
     return AGGREGATORS[name](**params)
 
 
-def replay_rule(aggregator: FedAvg | FedSECA | BraceSign | None):
+def replay_rule(aggregator: FedAvg | FedSECA | BraceSign | None) -> RuleCombine | None:
     """The rule a replay (Stage II's ``combine``) applies to round t's rows, or None for FedAvg.
 
-    The replay feeds the rule the rows of the remaining clients of each replayed round, in
-    order, from a fresh state (FedSECA's momentum starts at zero, as in FL). BRACE's step is that
-    of the FL round being replayed, scale / t**decay, not of the replay's own count, so a
-    replayed round moves as far as it did in FL.
+    The same :class:`protocols.starfish.robust_replay.RuleCombine` the servers' 2PC job builds
+    from its rounds' metadata, here with every round made by ``aggregator``: the replay feeds
+    it the rows of the remaining clients of each replayed round, in order, from a fresh state
+    (FedSECA's momentum starts at zero, and restarts at round 1 as it did in FL). BRACE's step
+    is that of the FL round being replayed, scale / t**decay, not of the replay's own count, so
+    a replayed round moves as far as it did in FL.
     """
     if aggregator is None or isinstance(aggregator, FedAvg):
         return None
     aggregator.reset()
     if isinstance(aggregator, BraceSign):
-        def brace(rows, weights, present, t):
-            g = torch.stack([torch.as_tensor(r).reshape(-1) for r in rows])
-            lam = brace_lambda(BRACE_LAMBDA, g.shape[0]) if aggregator.lam is None else aggregator.lam
-            return aggregator.step_scale(t) * brace_sign(g, lam=lam).to(g.dtype)
-        return brace
-
-    def rule(rows, weights, present, t):
-        return aggregator.direction({j: torch.as_tensor(r) for j, r in zip(present, rows)},
-                                    dict(zip(present, weights)))
-    return rule
+        def rule_of(t: int) -> RoundRule:
+            return RoundRule("brace-sign", step=aggregator.step_scale(t), lam=aggregator.lam)
+    elif isinstance(aggregator, FedSECA):
+        def rule_of(t: int) -> RoundRule:
+            return RoundRule("fedseca", gamma=aggregator.gamma, beta=aggregator.beta, restart=t == 1)
+    else:
+        raise TypeError(f"no replay rule for {aggregator!r}")
+    return RuleCombine(rule_of)

@@ -6,6 +6,10 @@ dealer session whose seeds must not be reused across computations; opening it pe
 daemon's idle state free of half-open sessions and gives each job its own meter, whose
 per-step rows are the job's communication report.
 
+Each replayed round steps with the rule that made it (its metadata: FedAvg, FedSECA or
+BRACE's vote; ``protocols.starfish.robust_replay``), on the shares, opening only the round's
+direction as the FedAvg replay does (docs/unlearning.md, "Robustly aggregated histories").
+
 The history is pinned to the T rounds both servers agreed on when the job started, so a
 round committed meanwhile (it cannot be, the leader does not close rounds during a job,
 but the pin makes that independent of scheduling) would not change what Stage II reads.
@@ -31,11 +35,13 @@ from net.channel import KIND_OBJECT
 from common.service_config import ServiceConfig
 from mpc.session import open_party, session_source
 from protocols.starfish.params import StarfishParams
+from protocols.starfish.robust_replay import RuleCombine
 from protocols.starfish.stage2 import run_stage2
 
 from servers.secure.correction_tasks import LockstepError, ServiceCorrectionClients, TaskBoard
 from servers.store.crash_points import checkpoint
 from servers.secure.ring_aggregation import model_digest
+from servers.secure.robust_steps import replay_rule
 from servers.secure.share_history import ShareHistory
 from servers.store.share_store import ShareStore
 
@@ -136,7 +142,11 @@ def run_job(*, rank: int, cfg: ServiceConfig, store: ShareStore, board: TaskBoar
             if progress is not None:
                 progress(done / max(1, total), info)
 
-        result = run_stage2(party, history, targets, starfish_params(cfg), clients, progress=on_step)
+        # each replayed round steps with the rule its metadata records (FedAvg, FedSECA, BRACE),
+        # on the shares; only the round's direction is opened, as in the FedAvg replay
+        combine = RuleCombine(lambda t: replay_rule(cfg.fl, store.metadata(t)), meter=party.meter)
+        result = run_stage2(party, history, targets, starfish_params(cfg), clients, progress=on_step,
+                            combine=combine)
         model = result.model.detach().to(torch.float64).numpy().copy()
         digest = model_digest(model)
         party.channel.send_frame(KIND_OBJECT, wire.pack({"job": job_id, "model_sha256": digest}))
@@ -151,6 +161,7 @@ def run_job(*, rank: int, cfg: ServiceConfig, store: ShareStore, board: TaskBoar
         "job": job_id, "attempt": attempt, "targets": targets, "rounds": rounds, **result.to_json(),
         "model_sha256": digest, "wall_seconds": time.perf_counter() - t0,
         "client_exact_updates": {str(k): v for k, v in sorted(clients.requested.items())},
+        "replay_rules": {str(t): name for t, name in combine.applied},
         "meters": meters,
     }
     return write_result(results_dir, job_id, model, summary), digest

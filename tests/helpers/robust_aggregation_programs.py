@@ -55,3 +55,26 @@ def missing_thresholds(party) -> str:
 def fedseca_once(party, g: np.ndarray, lam: np.ndarray) -> None:
     """One aggregation, nothing opened (for round counts)."""
     fedseca_parts(_shared(g, 0), thresholds=_shared(lam, 1))
+
+
+def quantile_cases(party, cases: list) -> list:
+    """``secure_quantile_thresholds`` on party 0's updates, opened for the comparison."""
+    from protocols.robust_aggregation import secure_quantile_thresholds
+    return [_open(secure_quantile_thresholds(_shared(c["g"], 0), c["gamma"])) for c in cases]
+
+
+def replay_combine_rounds(party, rounds: list, rules: dict) -> list:
+    """One ``RuleCombine`` over replayed rounds: each round's rows are shared by party 0, those
+    marked ``wide`` at 32 fractional bits (as Stage II's estimates are). Returns the opened
+    directions (the only values a replay opens)."""
+    from protocols.starfish.robust_replay import RoundRule, RuleCombine
+    combine = RuleCombine(lambda t: RoundRule(**rules[t]))
+    out = []
+    for rnd in rounds:
+        rows = []
+        for g, wide in zip(rnd["rows"], rnd["wide"]):
+            x = _shared(g, 0)
+            rows.append(B.lift(x, 32) if wide else x)
+        w = [1.0 / len(rows)] * len(rows)
+        out.append(combine(rows, w, list(range(len(rows))), rnd["t"]).numpy().copy())
+    return out

@@ -48,4 +48,4 @@ def test_replay_rule_is_none_for_fedavg_and_brace_steps_by_the_replayed_round():
     rows = [torch.tensor([1.0, -2.0, 0.0]), torch.tensor([3.0, -1.0, 0.0])]
     # votes +2, -2, 0 against lambda 0: +1, -1, -1; round 4 steps 0.5 / sqrt(4) = 0.25
     got = step(rows, [0.5, 0.5], [1, 2], 4)
-    torch.testing.assert_close(got, torch.tensor([0.25, -0.25, -0.25]))
+    torch.testing.assert_close(got, torch.tensor([0.25, -0.25, -0.25], dtype=torch.float64))

@@ -464,3 +464,16 @@ def test_2pc_rounds_do_not_grow_with_d(pair):
 def test_2pc_refuses_missing_thresholds(pair):
     msg0, msg1 = pair.call(rap.missing_thresholds)
     assert "thresholds" in msg0 and "thresholds" in msg1
+
+
+def test_secure_quantile_2pc_is_the_order_statistic(pair):
+    """Stage II's estimates come with no reported lambda_k: the servers find the order
+    statistic on shares, exactly (ties, zeros, one column, magnitudes up to 2**14)."""
+    cases = _random_cases(23, 3, max_k=5, max_d=17, max_enc=1 << 30)   # wide, ties, Gaussian (~5 s a case)
+    cases.append({"g": np.zeros((2, 5)), "gamma": 0.9})
+    cases.append({"g": np.full((1, 3), 2.0 ** 14 - LSB), "gamma": 0.5})
+    got, got1 = pair.call(rap.quantile_cases, cases)
+    for case, lam, lam1 in zip(cases, got, got1):
+        np.testing.assert_array_equal(lam, lam1)
+        np.testing.assert_array_equal(lam, oracle_threshold(case["g"], case["gamma"]))
+        np.testing.assert_array_equal(lam, ra.secure_quantile_thresholds(_t(case["g"]), case["gamma"]).numpy())
