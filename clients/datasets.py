@@ -5,6 +5,12 @@ is scikit-learn's handwritten digits, which ships inside the scikit-learn wheel.
 Fashion-MNIST and CIFAR-10 are read from a directory the user names, in their original
 distribution formats (IDX files, CIFAR-10 "python version" pickles). Nothing downloads.
 
+Fashion-MNIST is also packaged by Debian (``apt-get install dataset-fashion-mnist``: the full
+60,000 + 10,000 images as gzipped IDX files under ``/usr/share/datasets/fashion-mnist``), so
+``fmnist`` falls back to that directory when no ``data_dir`` is given: the paper's real-data
+experiment then needs no manual download. MNIST and CIFAR-10 have no such package here and keep
+reading the files a user gives.
+
 Every loader returns a :class:`Dataset` with images as float32 tensors of shape
 (N, C, H, W) scaled to [0, 1] and int64 labels, so models and attacks (the backdoor
 trigger) see one layout.
@@ -25,6 +31,8 @@ __all__ = [
     "Dataset",
     "DatasetError",
     "DATASET_NAMES",
+    "SYSTEM_DATA_DIRS",
+    "default_data_dir",
     "load_dataset",
     "load_digits_dataset",
     "load_idx_dataset",
@@ -289,13 +297,33 @@ def load_cifar10(directory: str | Path) -> Dataset:
 
 # --------------------------------------------------------------------------- dispatch
 
+#: Datasets a system package installs, and where (Debian's ``dataset-fashion-mnist``). A
+#: module-level mapping so tests can point it at a directory of their own.
+SYSTEM_DATA_DIRS: dict[str, Path] = {"fmnist": Path("/usr/share/datasets/fashion-mnist")}
+_SYSTEM_PACKAGES = {"fmnist": "dataset-fashion-mnist"}
+
+
+def default_data_dir(name: str) -> Path | None:
+    """The system package's directory for ``name`` if the package is installed, else None."""
+    d = SYSTEM_DATA_DIRS.get(name)
+    return d if d is not None and d.is_dir() else None
+
+
 def load_dataset(name: str, data_dir: str | Path | None = None) -> Dataset:
-    """Load ``name`` (one of DATASET_NAMES); file-based datasets need ``data_dir``."""
+    """Load ``name`` (one of DATASET_NAMES); file-based datasets need ``data_dir``, except
+    ``fmnist``, which defaults to the Debian package's directory (:data:`SYSTEM_DATA_DIRS`)."""
     if name == "digits":
         return load_digits_dataset()
     if name not in DATASET_NAMES:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
     if data_dir is None:
+        data_dir = default_data_dir(name)
+    if data_dir is None:
+        if name in _SYSTEM_PACKAGES:
+            raise DatasetError(
+                f"{name}: no --data-dir given and {SYSTEM_DATA_DIRS[name]} does not exist; install "
+                f"it with `apt-get install {_SYSTEM_PACKAGES[name]}` or pass --data-dir "
+                f"(nothing is downloaded)")
         raise DatasetError(f"{name}: --data-dir is required (nothing is downloaded)")
     if name in ("mnist", "fmnist"):
         return load_idx_dataset(data_dir, name)
