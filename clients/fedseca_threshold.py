@@ -6,21 +6,18 @@ share of its own sparsification threshold beside its update, norm and delta, and
 check it on shares (``protocols.robust_aggregation.check_thresholds``: one bit per client;
 a wrong one leaves the client out of the round).
 
-The rule is ``protocols.robust_aggregation.quantile_thresholds``' (the lower order statistic
-v_(f), f = floor(gamma (D - 1)), of |g|), taken on the *encoded* update: the servers compare
+The rule is ``common.robust_rules.fedseca_threshold`` (the lower order statistic v_(f),
+f = floor(gamma (D - 1)), of |g|), taken here on the *encoded* update: the servers compare
 ring values, so lambda_k must be exactly one of the client's encoded |g^j| (then it lies on
-the fixed-point grid and encodes without error). ``clients`` may not import ``protocols``
-(a client needs no 2PC engine), so the rule is restated here in numpy; a test keeps the two
-equal.
+the fixed-point grid and encodes without error).
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from common.encoding import decode, encode
+from common.robust_rules import fedseca_threshold
 
 __all__ = ["upload_threshold"]
 
@@ -29,8 +26,7 @@ def upload_threshold(update: np.ndarray, gamma: float, precision: int) -> np.nda
     """lambda_k of ``update`` as the client uploads it: a float64 scalar on the 2**-precision grid."""
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
-    ring = np.abs(encode(np.asarray(update, dtype=np.float64).reshape(-1), precision))
+    ring = encode(np.asarray(update, dtype=np.float64).reshape(-1), precision)
     if ring.size == 0:
         return np.array(0.0)
-    f = int(math.floor(gamma * (ring.size - 1)))
-    return decode(np.partition(ring, f)[f], precision)
+    return decode(fedseca_threshold(ring, gamma), precision)

@@ -37,6 +37,7 @@ import torch
 from net import tls
 from common import wire
 from common.service_config import ServiceConfig
+from common.starfish_params import PAPER
 
 from .backdoor import BackdoorClient, default_trigger
 from .datasets import load_dataset
@@ -67,7 +68,7 @@ class FederationSpec:
     epochs: float = 5.0
     lr: float = 0.3
     batch_size: int = 16
-    alpha: float = 0.4
+    alpha: float = PAPER.alpha
     backdoor: tuple[int, ...] = ()
     poison_fraction: float = 0.5
     boost: float = 5.0

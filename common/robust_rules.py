@@ -1,5 +1,6 @@
-"""The robust aggregation rules' constants and step formulas: defined once, used by the daemon,
-the 2PC rules (``protocols.robust_aggregation``) and the plaintext lab.
+"""The robust aggregation rules' constants, step formulas and FedSECA's quantile rule: defined
+once, used by the daemon, the 2PC rules (``protocols.robust_aggregation``), the clients (the
+lambda_k they upload, ``clients.fedseca_threshold``) and the plaintext lab.
 
 FedSECA Sec. 5: sparsification factor gamma and server momentum beta_ra, the same on all its
 datasets. BRACE Sec. 5.1: lambda = 5 with n = 100 clients; K clients keep that share,
@@ -20,8 +21,13 @@ is the paper's fixed step.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 __all__ = ["AGGREGATORS", "FEDSECA_GAMMA", "FEDSECA_BETA", "BRACE_LAMBDA", "BRACE_CLIENTS",
-           "BRACE_SCALE", "BRACE_DECAY", "brace_lambda", "brace_step_scale"]
+           "BRACE_SCALE", "BRACE_DECAY", "brace_lambda", "brace_step_scale", "quantile_rank",
+           "fedseca_threshold"]
 
 #: the aggregation rules a deployment or the lab may choose (``[fl] aggregator``, ``--aggregator``)
 AGGREGATORS = ("fedavg", "fedseca", "brace-sign")
@@ -43,3 +49,22 @@ def brace_lambda(lam_per_100: float, voters: int) -> float:
 def brace_step_scale(t: int, scale: float = BRACE_SCALE, decay: float = BRACE_DECAY) -> float:
     """The factor of the sign vote in FL round ``t`` (1-based): scale / t**decay."""
     return scale / t ** decay
+
+
+def quantile_rank(D: int, gamma: float) -> int:
+    """f = floor(gamma (D - 1)): FedSECA's lambda_k is the f-th smallest |g_k^j| (0-based)."""
+    return int(math.floor(gamma * (D - 1)))
+
+
+def fedseca_threshold(values: np.ndarray, gamma: float) -> np.generic:
+    """FedSECA's lambda_k of one non-empty update: v_(f) of |values|, the lower order statistic
+    (f = :func:`quantile_rank`), in the values' own dtype (a client takes it on ring integers,
+    so that it is exactly one of them). The 2PC rules compute the same order statistic on
+    shares (``protocols.robust_aggregation.quantile_thresholds`` is its plaintext twin)."""
+    if not (isinstance(gamma, (int, float)) and 0.0 <= float(gamma) <= 1.0):
+        raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
+    flat = np.abs(np.asarray(values).reshape(-1))
+    if flat.size == 0:
+        raise ValueError("FedSECA's threshold of an empty update is undefined")
+    f = quantile_rank(flat.size, gamma)
+    return np.partition(flat, f)[f]

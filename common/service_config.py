@@ -23,6 +23,7 @@ from typing import Any
 
 from common.robust_rules import (AGGREGATORS, BRACE_CLIENTS, BRACE_DECAY, BRACE_LAMBDA, BRACE_SCALE,
                                  FEDSECA_BETA, FEDSECA_GAMMA)
+from common.starfish_params import PAPER
 from net import tls
 
 __all__ = ["ConfigError", "AGGREGATORS", "BRACE_CLIENTS", "Endpoint", "ServerSection", "DealerSection", "ModelSection",
@@ -115,15 +116,13 @@ class FLSection:
 
 @dataclass(frozen=True)
 class UnlearningSection:
-    """Stage II's parameters. The defaults are the paper's, owned by
-    ``protocols.starfish.params.PAPER``; this module is read by clients and must not import
-    ``protocols``, so they are repeated here and a test keeps the two equal."""
+    """Stage II's parameters; the defaults are the paper's (``common.starfish_params.PAPER``)."""
 
-    sigma: float = 0.6               # selection rate: T' = ceil(sigma T) replayed rounds
-    alpha: float = 0.4               # tolerance rate of delta_i^j (used by clients in Stage I)
-    beta: float = 0.1                # interval rate: threshold check every ceil(beta T) replayed rounds
-    buffer: int = 2                  # L-BFGS buffer size B
-    rs_method: str = "auto"          # round-selection comparison: auto | ratio | divide
+    sigma: float = PAPER.sigma       # selection rate: T' = ceil(sigma T) replayed rounds
+    alpha: float = PAPER.alpha       # tolerance rate of delta_i^j (used by clients in Stage I)
+    beta: float = PAPER.beta         # interval rate: threshold check every ceil(beta T) replayed rounds
+    buffer: int = PAPER.buffer       # L-BFGS buffer size B
+    rs_method: str = PAPER.method    # round-selection comparison: auto | ratio | divide
     t_delta: int = 0                 # auto: Method 1 while T < t_delta; 0 = measured (protocols/starfish/data/t_delta.json, LAN)
     correction_timeout: float = 300.0  # seconds the servers wait for the clients of one correction task
     agree_timeout: float = 60.0      # a request that reached only one server fails after this

@@ -172,7 +172,7 @@ from typing import Any, Callable, ContextManager, NamedTuple, Optional, Sequence
 
 import torch
 
-from common.robust_rules import BRACE_LAMBDA, FEDSECA_BETA, FEDSECA_GAMMA
+from common.robust_rules import BRACE_LAMBDA, FEDSECA_BETA, FEDSECA_GAMMA, quantile_rank
 from mpc.nonnegative import below_power_of_two
 from mpc.table_compare import BOUND
 
@@ -243,11 +243,6 @@ def _sign(x: Tensor) -> Tensor:
 
 def _rows(x: Tensor) -> list:
     return [x[i] for i in range(int(x.shape[0]))]
-
-
-def quantile_rank(D: int, gamma: float) -> int:
-    """f = floor(gamma (D - 1)): lambda_k is the f-th smallest |g_k^j| (0-based)."""
-    return int(math.floor(gamma * (D - 1)))
 
 
 def quantile_thresholds(G: torch.Tensor, gamma: float = FEDSECA_GAMMA) -> torch.Tensor:

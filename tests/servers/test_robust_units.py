@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from clients.fedseca_threshold import upload_threshold
 from common import prg
 from common.encoding import decode, encode
-from common.service_config import BRACE_CLIENTS, ConfigError, FLSection, load_config, write_scratch_deployment
+from common.robust_rules import fedseca_threshold
+from common.service_config import ConfigError, FLSection, load_config, write_scratch_deployment
 from protocols.robust_aggregation import (BRACE_LAMBDA, FEDSECA_BETA, FEDSECA_GAMMA, check_thresholds,
                                           quantile_thresholds)
 from lab import aggregators
@@ -39,7 +40,6 @@ def test_fl_defaults_are_the_papers_and_the_labs():
     assert fl.aggregator == "fedavg"
     assert (fl.fedseca_gamma, fl.fedseca_beta, fl.brace_lambda) == (FEDSECA_GAMMA, FEDSECA_BETA, BRACE_LAMBDA)
     assert (fl.brace_scale, fl.brace_decay) == (aggregators.BRACE_SCALE, aggregators.BRACE_DECAY)
-    assert BRACE_CLIENTS == aggregators.BRACE_CLIENTS
 
 
 @pytest.mark.parametrize("values, message", [
@@ -66,6 +66,16 @@ def test_a_robust_deployment_config_round_trips(tmp_path):
 
 
 # ---------------------------------------------------------------------- the client's lambda_k
+@settings(max_examples=40)
+@given(st.integers(1, 4), st.integers(1, 40), st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0]), st.integers(0, 2**31))
+def test_the_quantile_rule_of_common_is_quantile_thresholds(K, D, gamma, seed):
+    """``common.robust_rules.fedseca_threshold`` (numpy, what a client runs) against the 2PC
+    rules' plaintext twin, row by row, ties included."""
+    G = np.random.default_rng(seed).integers(-6, 7, size=(K, D)) / 4.0
+    want = quantile_thresholds(torch.from_numpy(G), gamma)
+    assert [float(fedseca_threshold(row, gamma)) for row in G] == want.tolist()
+
+
 @settings(max_examples=40)
 @given(st.lists(st.floats(-50, 50, allow_nan=False, width=64), min_size=1, max_size=60),
        st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0]))

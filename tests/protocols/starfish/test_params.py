@@ -1,17 +1,13 @@
-"""StarfishParams: the paper's defaults in one place, the two formulas, and every mirror of them."""
+"""StarfishParams: the paper's defaults in one place (``common.starfish_params``) and the two formulas."""
 
 from __future__ import annotations
 
-import dataclasses
 from fractions import Fraction
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from clients.simulator import FederationSpec
-from clients.training import LocalClient
-from common.service_config import UnlearningSection
 from protocols.starfish.params import PAPER, StarfishParams
 
 
@@ -39,12 +35,3 @@ def test_formulas_are_exact_ceilings(T, s_milli, b_milli):
 def test_out_of_range_parameters_are_refused(bad):
     with pytest.raises(ValueError):
         StarfishParams(**bad)
-
-
-def test_mirrors_of_the_defaults_agree():
-    """Modules below ``protocols`` (the deployment config, the clients) repeat the defaults."""
-    section = UnlearningSection()
-    assert (section.sigma, section.alpha, section.beta, section.buffer, section.rs_method) == \
-        (PAPER.sigma, PAPER.alpha, PAPER.beta, PAPER.buffer, PAPER.method)
-    assert FederationSpec().alpha == PAPER.alpha
-    assert {f.name: f.default for f in dataclasses.fields(LocalClient)}["alpha"] == PAPER.alpha
