@@ -4,8 +4,9 @@ What it runs (docs/design.md 3 and 4.4), each part in its own module:
 
 * the client API (``servers.daemon.client_api``): ``common.wire`` messages over mutually
   authenticated TLS 1.3 from the FL clients and the operator;
-* the FL rounds (``servers.daemon.round_coordinator``): server 0 leads, server 1 follows, over the
-  control link to the other server (``servers.daemon.peer_link``, messages ``servers.daemon.peer_messages``);
+* the FL rounds (``servers.daemon.round_coordinator``): server 0 leads (``round_leader``), server 1
+  follows (``round_follower``), over the control link to the other server
+  (``servers.daemon.peer_link``, messages ``servers.daemon.peer_messages``);
 * unlearning jobs (``servers.daemon.job_scheduler``): server 0 starts a job only when server 1 holds
   the same request, then both run Stage II in a fresh 2PC session (``servers.secure.unlearning_jobs``)
   with the correction tasks of ``servers.secure.correction_tasks``.
@@ -54,6 +55,8 @@ from servers.daemon.peer_messages import (
     parse_request,
 )
 from servers.daemon.round_coordinator import RoundCoordinator
+from servers.daemon.round_follower import RoundFollower
+from servers.daemon.round_leader import RoundLeader
 from servers.daemon.service_state import ServiceState
 from servers.store.share_store import ShareStore
 
@@ -94,8 +97,10 @@ class ServerDaemon:
         else:
             self.peer = PeerClient(cfg.keys_dir, cfg.server1.peer().address,
                                    timeout=cfg.limits.peer_timeout, max_bytes=cfg.limits.max_frame_bytes)
-        self.rounds = RoundCoordinator(cfg, self.store, self.state, peer=self.peer, stop=self.stop_event,
-                                       mpc_listener=self._mpc_listener)
+        self.rounds: RoundCoordinator = (
+            RoundLeader(cfg, self.store, self.state, peer=self.peer, stop=self.stop_event)
+            if self.peer is not None else
+            RoundFollower(cfg, self.store, self.state, stop=self.stop_event, mpc_listener=self._mpc_listener))
         self.jobs = JobScheduler(cfg, party, self.store, self.state, self.board,
                                  results_dir=self.data_dir / "results",
                                  mpc_listener=self._mpc_listener, peer=self.peer, stop=self.stop_event)
@@ -117,6 +122,7 @@ class ServerDaemon:
                               handshake_timeout=self.cfg.limits.handshake_timeout)
             threads.append(threading.Thread(target=peer.serve_forever, name="peer", daemon=True))
         else:
+            assert isinstance(self.rounds, RoundLeader)
             threads.append(threading.Thread(target=self.rounds.lead_forever, args=(self.jobs,),
                                             name="leader", daemon=True))
         for t in threads:
@@ -150,18 +156,20 @@ class ServerDaemon:
     def _answer_peer(self, op: str, msg: dict) -> dict:
         """Server 1's answer to one control request of the leader (reply fields)."""
         req = parse_request(op, msg, self.store.dim)
+        rounds = self.rounds
+        assert isinstance(rounds, RoundFollower)
         if isinstance(req, GetState):
-            return self.rounds.peer_state(self.jobs.rows(), self.jobs.running).to_wire()
+            return rounds.peer_state(self.jobs.rows(), self.jobs.running).to_wire()
         if isinstance(req, CloseRound):
-            return self.rounds.follow_close(req).to_wire()
+            return rounds.follow_close(req).to_wire()
         if isinstance(req, CheckRound):
-            self.rounds.follow_check(req)
+            rounds.follow_check(req)
             return {}
         if isinstance(req, AggregateRound):
-            self.rounds.follow_aggregate(req)
+            rounds.follow_aggregate(req)
             return {}
         if isinstance(req, CloseRobustRound):
-            return self.rounds.follow_close_robust(req).to_wire()
+            return rounds.follow_close_robust(req).to_wire()
         if isinstance(req, JobStart):
             self.jobs.follow_start(req)
         elif isinstance(req, JobFail):
