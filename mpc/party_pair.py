@@ -40,9 +40,16 @@ def _serve(party: Any, inbox: Any, outbox: Any) -> int:
             return served
         fn, args, kwargs = pickle.loads(item)
         try:
+            before = set(party.meters()["steps"])
             with party.meter(f"call-{served}"):
                 value = fn(party, *args, **kwargs)
-            step = party.meters()["steps"][f"call-{served}"]
+            steps = party.meters()["steps"]
+            # the steps the program metered itself (nested under this call's step), so a test on
+            # a shared session reads the same per-step figures as on its own ``run_parties`` session
+            prefix = f"call-{served}/"
+            step = dict(steps[f"call-{served}"],
+                        steps={k[len(prefix):]: v for k, v in steps.items()
+                               if k.startswith(prefix) and k not in before})
             outbox.put(("ok", pickle.dumps((value, step))))
         except BaseException:  # noqa: BLE001 - reported to the caller, then this party stops
             outbox.put(("error", traceback.format_exc()))
@@ -99,7 +106,8 @@ class PartyPair:
 
     # ------------------------------------------------------------------ calls
     def call_metered(self, fn: Callable, *args: Any, **kwargs: Any) -> tuple[list[Any], list[dict]]:
-        """Both parties' values and both meters of this call (online/offline bytes, rounds)."""
+        """Both parties' values and both meters of this call (online/offline bytes, rounds; under
+        ``"steps"`` the steps the program metered for the first time in this call)."""
         if self._boxes is None:
             self.start()
         in0, in1, out0, out1 = self._boxes

@@ -9,9 +9,10 @@ SecretFlow SPU's CHEETAH). Checked here:
    truncation installed into CrypTen (``x.div(2**d)``, per-element exponents, fixed-point
    products: "floor or one more"), and Beaver products (mul, matmul, square) at precision 0
    (exact mod 2**64 on the whole ring) and 16 (one truncation of the exact ring product);
-2. the protocols of ``protocols/`` run by the same party programs as the dealer-mode tests
-   (``tests/protocols/test_primitives_2pc.py``, ``tests/protocols/test_upload_range.py``) and held
-   to the same tolerances (round counts are not compared: the engine's are another protocol's);
+2. the range check of uploads run by the dealer-mode test's party program
+   (``tests/protocols/test_upload_range.py``) and held to the same oracle (the compare, sort,
+   inverse and division programs run in both modes in ``tests/protocols/test_primitives_2pc.py``,
+   parametrised over the offline mode);
 3. a two-party job starts no dealer process and its parties hold no dealer link;
 4. the engine's traffic is metered: the relays' counts against the kernel's (TCP_INFO, own
    sockets within 1% received / 3% sent, since tcpi_bytes_sent also counts retransmissions; the
@@ -40,7 +41,6 @@ from mpc import LinkProfile, PartyError, run_parties
 from mpc.crypten_compat import crypten
 from mpc.party_pair import PartyPair
 from tests.helpers.ring_shares import HI, LO, MASKS, recon, split
-from tests.protocols import test_primitives_2pc as dealer_2pc
 from tests.protocols import test_upload_range as dealer_upload
 
 pytestmark = pytest.mark.timeout(300)
@@ -443,36 +443,6 @@ def test_engine_batches_split_long_inputs_exactly(tp):
 
 
 # ============================================================================ 2. protocols
-def _both_open_the_same(out0: dict, out1: dict) -> None:
-    for k in out0:
-        assert np.array_equal(np.asarray(out0[k], dtype=object), np.asarray(out1[k], dtype=object)), k
-
-
-def test_compare_select_inner_max_threshold_in_two_party_mode(tp):
-    """``dealer_2pc.compare_program`` on the dealer test's inputs; same oracles and tolerances."""
-    inp = dealer_2pc.compare_inputs()
-    out, out1 = call_both(tp, dealer_2pc.compare_program, inp)
-    _both_open_the_same(out, out1)
-    dealer_2pc.check_compare(out, inp)
-
-
-def test_sort_and_top_k_in_two_party_mode(tp):
-    """``dealer_2pc.sort_program`` (stable/unstable, ratio keys, top_k, custom comparator)."""
-    inp = dealer_2pc.sort_inputs()
-    out, out1 = call_both(tp, dealer_2pc.sort_program, inp)
-    assert np.array_equal(out["topk_ratio"], out1["topk_ratio"])
-    dealer_2pc.check_sort(out, inp)
-
-
-def test_inverse_and_division_in_two_party_mode(tp):
-    """``dealer_2pc.inverse_division_program`` (masked and Newton inverses, reciprocal with both
-    methods, divide shared/public); the dealer test's tolerances."""
-    inp = dealer_2pc.inverse_inputs()
-    out, out1 = call_both(tp, dealer_2pc.inverse_division_program, inp)
-    _both_open_the_same(out, out1)
-    dealer_2pc.check_inverse(out, inp)
-
-
 UPLOAD_SPECS = [   # the dealer test's explicit examples, plus top-bits/sign-tests on every kind
     dict(b=26, consistency=True, norm_bits=30, delta_bits=27, d=65, seed=3, method="top-bits",
          kinds=["honest", "edge", "halves", "big"], norm_kind=["true"] * 4, delta_kind=["ok"] * 4),
