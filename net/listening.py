@@ -16,7 +16,22 @@ import socket
 import threading
 from typing import Callable, Protocol
 
-__all__ = ["HandshakePool", "accept_loop", "listen"]
+__all__ = ["HandshakePool", "ListenError", "accept_loop", "listen"]
+
+
+class ListenError(OSError):
+    """A port could not be opened; the message names the address (the daemons add the config key).
+
+    Why its own type: a bare ``OSError: [Errno 98] Address already in use`` names neither the
+    port nor who configured it, and the command line must tell it apart from other failures
+    to answer with one line instead of a traceback.
+    """
+
+    def __init__(self, host: str, port: int, reason: str) -> None:
+        super().__init__(f"cannot listen on {host}:{port}: {reason}")
+        self.host = host
+        self.port = port
+        self.reason = reason
 
 
 class HandshakePool(Protocol):
@@ -111,6 +126,10 @@ def listen(host: str = "127.0.0.1", port: int = 0, backlog: int = 8) -> socket.s
     """A listening TCP socket; port 0 picks a free port (read it from getsockname())."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((host, port))
-    s.listen(backlog)
+    try:
+        s.bind((host, port))
+        s.listen(backlog)
+    except OSError as exc:
+        s.close()
+        raise ListenError(host, port, exc.strerror or str(exc)) from exc
     return s

@@ -71,9 +71,27 @@ def identity(keys_dir: str | os.PathLike, name: str) -> Identity:
     ident = Identity(name, d / f"{name}.pem", d / f"{name}.key", d / CA_CERT_FILE, d / CRL_FILE)
     for p in (ident.cert, ident.key, ident.ca, ident.crl):
         if not p.exists():
-            raise FileNotFoundError(f"missing credential {p} (`starfish keys issue --ca-dir CA "
-                                    f"--keys-dir {d} --name {name}` writes it)")
+            raise MissingCredential(p, d, name, cert_exists=ident.cert.exists())
     return ident
+
+
+class MissingCredential(FileNotFoundError):
+    """A certificate, key, CA certificate or CRL is not in the key directory.
+
+    The message says which file and the command that writes it; when the certificate is
+    there but its key is not, re-issuing needs ``--replace`` (``keys issue`` refuses to
+    overwrite a certificate otherwise, which is what a user following the hint hit).
+    """
+
+    def __init__(self, path: Path, keys_dir: Path, name: str, *, cert_exists: bool) -> None:
+        if path.name in (CA_CERT_FILE, CRL_FILE):
+            hint = (f"copy {path.name} from the deployment's CA (`starfish keys init` or "
+                    f"`starfish init-deployment` wrote it)")
+        else:
+            hint = (f"`starfish keys issue --ca-dir CA --keys-dir {keys_dir} --name {name}"
+                    f"{' --replace' if cert_exists else ''}` writes it")
+        super().__init__(f"missing credential {path} for {name!r}: {hint}")
+        self.path = path
 
 
 def default_days(name: str) -> int:

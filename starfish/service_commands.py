@@ -1,9 +1,12 @@
-"""The service's commands: server, dealer, clients, unlearn, status, init-deployment.
+"""The service's commands: server, dealer, clients, unlearn, status, init-deployment, admin.
 
 Why a module of its own: ``starfish/cli.py`` only wires sub-commands; these functions read
-the config, set up logging and signals, and call into ``servers``/``clients``. Imports are at
-the top: the command line loads torch for its lab and benchmark arguments anyway (measured:
-``starfish --help`` takes 2.3 s either way), so deferring them here bought nothing.
+the config, set up logging and signals, and call into ``servers``/``clients``.
+
+Imports: only what every command needs is imported here (the standard library, numpy, the
+config and the client connection). The daemons, the simulator and torch are imported inside
+the command that runs them, so ``status``, ``unlearn``, ``admin`` and ``--help`` start in well
+under a second (torch alone takes 2-3 s to import on this machine).
 """
 
 from __future__ import annotations
@@ -17,29 +20,45 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from lab.experiment import DATASET_DEFAULTS
-from clients.initial_model import architecture_of, initial_model
 from clients.service_client import ServiceClient, ServiceError
-from clients.simulator import FederationSpec, Simulator, build_federation, parse_unlearn, write_summary
 from net import tls
 from common import wire
 from net.channel import ChannelError
 from common.service_config import SCRATCH_CA_DIR, ConfigError, load_config, write_scratch_deployment
-from servers.dealer_daemon import run_dealer
-from lab.history import NpzTwinRecorder
-from servers.daemon.server_daemon import ServerDaemon, install_crash_points
 
 __all__ = ["add_commands"]
 
 
+class _OneLineFormatter(logging.Formatter):
+    """A logged exception as one line (``message: Type: text``); its traceback only at DEBUG.
+
+    Why: an operator reads these logs. A 38-line traceback every 31 s (the dealer down) buried
+    the one line that said what failed; with ``--log-level DEBUG`` the tracebacks come back.
+    """
+
+    def __init__(self, debug: bool) -> None:
+        super().__init__("%(asctime)s %(name)s %(levelname)s %(message)s")
+        self.debug = debug
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.exc_info and not self.debug:
+            exc = record.exc_info[1]
+            record = logging.makeLogRecord(record.__dict__)
+            record.msg, record.args = f"{record.getMessage()}: {type(exc).__name__}: {exc}", None
+            record.exc_info, record.exc_text = None, None
+        return super().format(record)
+
+
 def _logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    lvl = getattr(logging, level.upper(), logging.INFO)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLineFormatter(debug=lvl <= logging.DEBUG))
+    logging.basicConfig(level=lvl, handlers=[handler])
 
 
 def _on_signals(stop: Any) -> None:
@@ -51,26 +70,53 @@ def _on_signals(stop: Any) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def _config_path(given: str) -> Path:
+    """``--config``: the TOML file, or a deployment directory holding ``config.toml``."""
+    p = Path(given)
+    if p.is_dir():
+        if (p / "config.toml").is_file():
+            return p / "config.toml"
+        raise ConfigError(f"--config {given} is a directory without config.toml; give the config "
+                          f"file (`starfish init-deployment DIR` writes DIR/config.toml)")
+    return p
+
+
 def _config(args: argparse.Namespace):
     try:
-        return load_config(args.config)
+        return load_config(_config_path(args.config))
     except ConfigError as exc:
         print(f"starfish {args.command}: {exc}", file=sys.stderr)
         sys.exit(2)
+
+
+def _fail(command: str, what: object, rc: int = 2, exc: BaseException | None = None) -> int:
+    """One line on stderr for a failure the user can act on; the traceback only at DEBUG."""
+    print(f"starfish {command}: {what}", file=sys.stderr)
+    exc = exc if exc is not None else what if isinstance(what, BaseException) else None
+    if exc is not None:
+        logging.getLogger("starfish").debug("traceback", exc_info=exc)
+    return rc
 
 
 # ------------------------------------------------------------------ daemons
 def cmd_server(args: argparse.Namespace) -> int:
     cfg = _config(args)
     _logging(args.log_level)
+    import torch
+
+    from clients.initial_model import initial_model
+    from net.listening import ListenError
+    from servers.daemon.server_daemon import ServerDaemon, StartupError, install_crash_points
 
     torch.set_num_threads(1)
     install_crash_points(os.environ.get("STARFISH_CRASH_AT"))
     try:
         daemon = ServerDaemon(cfg, args.party, initial_model(cfg.model))
-    except tls.KeyDirError as exc:
-        print(f"starfish server: {exc}", file=sys.stderr)
-        return 2
+    except (StartupError, ListenError, tls.KeyDirError, FileNotFoundError, ConfigError) as exc:
+        return _fail("server", exc)
+    except Exception as exc:  # noqa: BLE001 - anything else still gets one line, not a traceback
+        return _fail("server", f"server{args.party} failed to start: {type(exc).__name__}: {exc} "
+                               f"(--log-level DEBUG shows the traceback)", 1, exc)
     _on_signals(daemon.stop)
     daemon.serve_forever()
     return 0
@@ -83,20 +129,28 @@ def cmd_dealer(args: argparse.Namespace) -> int:
         print("starfish dealer: this deployment runs in two-party mode ([deployment] offline = "
               "\"two-party\"): it has no dealer, and none must run", file=sys.stderr)
         return 2
+    from net.listening import ListenError
+    from servers.dealer_daemon import run_dealer
 
     stop = threading.Event()
     _on_signals(stop.set)
     try:
         run_dealer(cfg, stop)
-    except tls.KeyDirError as exc:
-        print(f"starfish dealer: {exc}", file=sys.stderr)
-        return 2
+    except ListenError as exc:
+        return _fail("dealer", f"{exc} ([dealer] port = {cfg.dealer.port} in {cfg.path}); stop the "
+                               f"process that holds it (`ss -ltnp 'sport = :{cfg.dealer.port}'` names "
+                               f"it) or choose another port in the config", exc=exc)
+    except (tls.KeyDirError, FileNotFoundError) as exc:
+        return _fail("dealer", exc)
     return 0
 
 
 # ------------------------------------------------------------------ simulated clients
 def federation_spec(cfg: Any, args: argparse.Namespace) -> Any:
     """The simulator's FederationSpec: command line, then [clients]/[model], then lab defaults."""
+    from clients.initial_model import architecture_of
+    from clients.simulator import FederationSpec
+    from lab.experiment import DATASET_DEFAULTS
 
     dataset = args.dataset or cfg.clients.dataset
     if dataset != cfg.model.dataset:
@@ -110,12 +164,17 @@ def federation_spec(cfg: Any, args: argparse.Namespace) -> Any:
         partition=cfg.clients.partition, architecture=architecture_of(cfg.model), l2=cfg.model.l2,
         epochs=args.epochs or d["epochs"], lr=args.lr or d["lr"], batch_size=d["batch_size"],
         alpha=cfg.unlearning.alpha, backdoor=backdoor, poison_fraction=d["poison_fraction"],
-        boost=d.get("boost", 1.0), train_limit=args.train_limit)
+        boost=d.get("boost", 1.0), train_limit=args.train_limit,
+        device=getattr(args, "device", None) or "cpu")
 
 
 def cmd_clients(args: argparse.Namespace) -> int:
     cfg = _config(args)
     _logging(args.log_level)
+    import torch
+
+    from clients.simulator import Simulator, build_federation, parse_unlearn, write_summary
+    from lab.history import NpzTwinRecorder
 
     torch.set_num_threads(1)
     try:
@@ -123,8 +182,14 @@ def cmd_clients(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"starfish clients: {exc}", file=sys.stderr)
         return 2
-    fed = build_federation(spec)
     ids = list(range(args.first_id, args.first_id + args.n))
+    try:   # before the (slow) federation: a missing certificate is one line, not a traceback later
+        for i in ids:
+            tls.identity(cfg.keys_dir, f"client-{i}")
+    except FileNotFoundError as exc:
+        return _fail("clients", f"{exc} (--n {args.n} --first-id {args.first_id} needs "
+                                f"client-{ids[0]}..client-{ids[-1]})", exc=exc)
+    fed = build_federation(spec)
     try:
         unlearn = parse_unlearn(args.unlearn)
         twin = NpzTwinRecorder(args.twin_dir) if args.twin_dir else None
@@ -153,10 +218,26 @@ def cmd_clients(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ admin / client tools
 def _connection(cfg: Any, party: int, args: argparse.Namespace):
-
+    """A connection as admin, or as client-ID with ``--client`` (raises tls.MissingCredential)."""
     ident = "admin" if getattr(args, "client", None) is None else f"client-{args.client}"
     return ServiceClient(cfg.keys_dir, ident, party, cfg.server(party).api().address,
                          max_bytes=cfg.limits.max_frame_bytes, connect_timeout=args.connect_timeout)
+
+
+def _unreachable(cfg: Any, party: int, exc: BaseException) -> str:
+    """Why server ``party`` did not answer, in one line with what to do."""
+    host, port = cfg.server(party).api().address
+    cause = getattr(exc.__cause__, "strerror", None)    # "Connection refused", not the whole chain
+    return (f"server{party} did not answer at {host}:{port} ([server{party}] api_port): "
+            f"{(cause or str(exc)).lower()}; is "
+            f"`starfish server --party {party} --config {cfg.path}` running?")
+
+
+def _json_default(o: Any) -> Any:
+    """JSON for what msgpack carries and JSON lacks: bytes (request ids, seeds) as hex."""
+    if isinstance(o, (bytes, bytearray)):
+        return bytes(o).hex()
+    return str(o)
 
 
 def cmd_unlearn(args: argparse.Namespace) -> int:
@@ -172,7 +253,10 @@ def cmd_unlearn(args: argparse.Namespace) -> int:
             print("starfish unlearn: --admin needs --targets", file=sys.stderr)
             return 2
         fields["targets"] = sorted({int(x) for x in args.targets.split(",")})
-    conns = [_connection(cfg, p, args) for p in (0, 1)]
+    try:
+        conns = [_connection(cfg, p, args) for p in (0, 1)]
+    except FileNotFoundError as exc:
+        return _fail("unlearn", exc)
     try:
         for p, c in enumerate(conns):
             rep = c.call("unlearn", retry_seconds=args.connect_timeout, **fields)
@@ -191,8 +275,11 @@ def cmd_unlearn(args: argparse.Namespace) -> int:
                 time.sleep(2.0)  # a job takes minutes; a status line every 2 s
             print(f"starfish unlearn: job not finished after {args.wait}s", file=sys.stderr)
             return 1
-    except (ServiceError, ChannelError) as exc:
-        print(f"starfish unlearn: {exc}", file=sys.stderr)
+    except ServiceError as exc:
+        print(f"starfish unlearn: refused: {exc}", file=sys.stderr)
+        return 1
+    except ChannelError as exc:
+        print(f"starfish unlearn: {_unreachable(cfg, p, exc)}", file=sys.stderr)
         return 1
     finally:
         for c in conns:
@@ -231,62 +318,120 @@ def _save_model(job: dict, path: str | None, party: int) -> None:
     print(f"wrote the unlearned model of job {job['job']} to {path}", file=sys.stderr)
 
 
+def _query(cfg: Any, p: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One server's status (and job); never raises: a failure is the entry's ``error``."""
+    try:
+        with _connection(cfg, p, args) as c:
+            st = c.call("status")
+            out: dict[str, Any] = {"status": st, "job": None}
+            if args.job:
+                try:
+                    job = c.call("job_status", job=args.job, with_model=bool(args.save_model))
+                    _save_model(job, args.save_model, p)
+                    out["job"] = job
+                except ServiceError as exc:    # the server answered: the job is the problem
+                    out["job_error"] = str(exc)
+            return out
+    except FileNotFoundError as exc:
+        return {"error": str(exc)}
+    except ServiceError as exc:
+        return {"error": f"server{p} refused the status request: {exc}"}
+    except (ChannelError, OSError) as exc:
+        return {"error": _unreachable(cfg, p, exc)}
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     cfg = _config(args)
 
     parties = [0, 1] if args.party is None else [args.party]
-    out: dict[str, Any] = {}
-    rc = 0
-    for p in parties:
-        try:
-            with _connection(cfg, p, args) as c:
-                st = c.call("status")
-                job = None
-                if args.job:
-                    job = c.call("job_status", job=args.job, with_model=bool(args.save_model))
-                    _save_model(job, args.save_model, p)
-        except (ServiceError, ChannelError) as exc:
-            out[f"server{p}"] = {"error": str(exc)}
-            rc = 1
-            continue
-        out[f"server{p}"] = {"status": st, "job": job}
+    # both servers at once: with both down, status fails within one --connect-timeout
+    results: dict[int, dict[str, Any]] = {}
+    threads = [threading.Thread(target=lambda p=p: results.__setitem__(p, _query(cfg, p, args)), daemon=True)
+               for p in parties]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out = {f"server{p}": results[p] for p in parties}
+    rc = 0 if all("error" not in v and "job_error" not in v for v in out.values()) else 1
     if args.json:
-        print(json.dumps(out, indent=1, default=str))
+        print(json.dumps(out, indent=1, default=_json_default))
         return rc
     for name, v in out.items():
         if "error" in v:
-            print(f"{name}: unreachable: {v['error']}")
+            print(f"{name}: {v['error']}")
             continue
         st = v["status"]
-        print(f"{name}: {st['T']}/{st['rounds']} rounds committed; "
+        unlearning = st["T"] - st["fl_rounds"]
+        print(f"{name}: {st['fl_rounds']}/{st['rounds']} FL rounds committed"
+              + (f" and {unlearning} unlearning round{'s' * (unlearning != 1)} (T = {st['T']})"
+                 if unlearning else "") + "; "
               + (f"round {st['open_round']} open, {len(st['staged'])} uploads staged"
                  if st["open_round"] else "training finished")
               + (f"; running job {st['busy_job']}" if st["busy_job"] else ""))
+        for what in st.get("waiting_for", []):
+            print(f"  waiting for {what}")
+        for cid, why in st.get("left_out", {}).items():
+            print(f"  client {cid} not taken: {why}")
         for j in st["jobs"][-10:]:
             print(f"  job {j['job']}: {j['state']} {100 * j['progress']:.0f}% targets {j['targets']} "
                   f"by {j['requester']}" + (f" ({j['error']})" if j.get("error") else ""))
         for f in st.get("forgotten", []):
             print(f"  client {f['client']} forgotten by job {f['job']}"
                   + (f", re-enrolled by {f['reenrolled_by']}" if f.get("reenrolled_by") else ""))
+        if v.get("job_error"):
+            print(f"  job {args.job}: {v['job_error']}")
         if v["job"]:
             _print_job(v["job"])
     return rc
 
 
+_ADMIN_OPS = {"cancel": "cancel_job", "reenrol": "reenrol", "staged": "staged", "drop-staged": "drop_staged"}
+
+
 def cmd_admin(args: argparse.Namespace) -> int:
-    """``starfish admin cancel JOB`` / ``starfish admin reenrol CLIENT``, at both servers."""
+    """``starfish admin cancel JOB | reenrol CLIENT | staged | drop-staged CLIENT``, at both servers."""
     cfg = _config(args)
-    op, fields = (("cancel_job", {"job": args.target}) if args.action == "cancel"
-                  else ("reenrol", {"client": int(args.target)}))
+    op = _ADMIN_OPS[args.action]
+    if (args.target is None) != (args.action == "staged"):
+        print(f"starfish admin {args.action}: "
+              + ("takes no target" if args.action == "staged" else
+                 "needs a target: " + ("the job id" if args.action == "cancel" else "the client id")),
+              file=sys.stderr)
+        return 2
+    fields: dict[str, Any] = {}
+    if args.action == "cancel":
+        fields["job"] = args.target
+    elif args.target is not None:
+        if not args.target.isdigit():
+            print(f"starfish admin {args.action}: the client id must be a number, got {args.target!r}",
+                  file=sys.stderr)
+            return 2
+        fields["client"] = int(args.target)
     rc = 0
     for p in (0, 1):
         try:
             with _connection(cfg, p, args) as c:
                 rep = c.call(op, **fields)
-            print(f"server{p}: " + ", ".join(f"{k} {v}" for k, v in rep.items() if v != ""))
-        except (ServiceError, ChannelError) as exc:
-            print(f"server{p}: {exc}", file=sys.stderr)
+        except FileNotFoundError as exc:
+            return _fail("admin", exc)
+        except ServiceError as exc:
+            print(f"server{p}: refused: {exc}", file=sys.stderr)
             rc = 1
+            continue
+        except ChannelError as exc:
+            print(f"server{p}: {_unreachable(cfg, p, exc)}", file=sys.stderr)
+            rc = 1
+            continue
+        if op == "staged":
+            rows = rep.get("uploads", [])
+            print(f"server{p}: round {rep.get('round')}: {len(rows)} uploads staged")
+            for row in rows:
+                print("  " + ", ".join(f"{k} {_json_default(v) if isinstance(v, bytes) else v}"
+                                       for k, v in row.items()))
+        else:
+            print(f"server{p}: " + ", ".join(f"{k} {v}" for k, v in rep.items()
+                                             if k not in ("v", "id", "ok") and v != ""))
     return rc
 
 
@@ -296,17 +441,19 @@ def cmd_init_deployment(args: argparse.Namespace) -> int:
     if args.deadline:
         overrides["fl"]["round_deadline"] = args.deadline
     try:
-        path = write_scratch_deployment(args.dir, clients=args.clients, overrides=overrides)
-    except FileExistsError as exc:
-        print(f"starfish init-deployment: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote keys for server0, server1, dealer, admin, client-0..{args.clients - 1} and {path}")
+        path = write_scratch_deployment(args.dir, clients=args.clients, overrides=overrides,
+                                        offline=args.offline)
+    except (FileExistsError, ConfigError) as exc:
+        return _fail("init-deployment", exc)
+    print(f"wrote keys for server0, server1, dealer, admin, client-0..{args.clients - 1} and {path} "
+          f"([deployment] offline = \"{args.offline}\")")
     ca_dir = path.parent / SCRATCH_CA_DIR
     print(f"WARNING: {ca_dir} holds the CA's private key (it can mint any certificate, admin "
           f"included): move it off this machine; `starfish keys issue|revoke --ca-dir` need it, "
           f"no daemon does", file=sys.stderr)
-    print("start: starfish dealer --config CFG; starfish server --party 1 --config CFG; "
-          "starfish server --party 0 --config CFG; starfish clients --config CFG --n N")
+    dealer = f"starfish dealer --config {path}; " if args.offline == "dealer" else ""
+    print(f"start: {dealer}starfish server --party 1 --config {path}; starfish server --party 0 "
+          f"--config {path}; starfish clients --config {path} --n {args.clients}")
     return 0
 
 
@@ -314,38 +461,52 @@ def cmd_init_deployment(args: argparse.Namespace) -> int:
 def add_commands(sub: Any) -> None:
     """Add the service's sub-commands to the ``starfish`` parser."""
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--config", required=True, help="the deployment's TOML file (docs/service.md)")
-        p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (INFO)")
+        p.add_argument("--config", required=True, metavar="CFG",
+                       help="the deployment's TOML file, or the directory holding config.toml "
+                            "(docs/service.md)")
+        p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                       type=str.upper, help="log detail on stderr (INFO); DEBUG adds tracebacks")
+
+    def connect_timeout(p: argparse.ArgumentParser, default: float) -> None:
+        p.add_argument("--connect-timeout", type=float, default=default, metavar="S",
+                       help=f"seconds to keep trying to reach each server before giving up ({default:g})")
 
     s = sub.add_parser("server", help="run server 0 or 1 (client API, FL rounds, unlearning jobs)")
-    s.add_argument("--party", type=int, choices=(0, 1), required=True)
+    s.add_argument("--party", type=int, choices=(0, 1), required=True,
+                   help="which server: 0 leads the FL rounds, 1 follows (start them in any order)")
     common(s)
     s.set_defaults(func=cmd_server)
 
-    d = sub.add_parser("dealer", help="run the correlated-randomness dealer")
+    d = sub.add_parser("dealer", help="run the correlated-randomness dealer (dealer mode only)")
     common(d)
     d.set_defaults(func=cmd_dealer)
 
     c = sub.add_parser("clients", help="simulated FL clients: train, share, upload, answer corrections")
     common(c)
-    c.add_argument("--n", type=int, default=20, help="number of clients (20)")
+    c.add_argument("--n", type=int, default=20, help="number of clients (20); each needs its certificate")
     c.add_argument("--first-id", type=int, default=0, help="ids first-id..first-id+n-1 (0)")
     c.add_argument("--dataset", help="digits, mnist, fmnist, cifar10 ([clients] dataset)")
     c.add_argument("--data-dir", help="directory of the dataset files (not for digits)")
+    c.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the clients' local training runs (auto: CUDA when torch sees a GPU, "
+                        "else the CPU); shares and uploads are made on the CPU either way")
     c.add_argument("--backdoor", help="comma-separated ids of backdoor clients (e.g. 0)")
     c.add_argument("--unlearn", help="clients that request their own unlearning: CLIENT@ROUND once "
                                      "ROUND FL rounds are committed, or CLIENT after training "
                                      "(e.g. 3@20,5)")
     c.add_argument("--until", choices=("training", "jobs", "never"),
-                   help="exit once training is over and the requested jobs ended (training, "
-                        "default; jobs is the same), or never")
+                   help="when to exit: training (the default without --unlearn): once the FL rounds "
+                        "are over; jobs (the default with --unlearn): also once every requested "
+                        "unlearning job ended, answering correction tasks meanwhile; never: keep "
+                        "answering correction tasks until stopped")
     c.add_argument("--twin-dir", help="write the plaintext twin history here (a new directory)")
     c.add_argument("--summary", help="write a JSON summary here")
     c.add_argument("--seed", type=int, help="data split and batch-order seed ([clients] seed)")
-    c.add_argument("--epochs", type=float, help="local epochs (lab default of the dataset)")
+    c.add_argument("--epochs", type=float, help="local epochs per round (lab default of the dataset)")
     c.add_argument("--lr", type=float, help="local SGD learning rate (lab default of the dataset)")
-    c.add_argument("--train-limit", type=int, help="use only this many training samples")
-    c.add_argument("--max-seconds", type=float, default=3600.0, help="give up after (3600)")
+    c.add_argument("--train-limit", type=int, help="use only this many training samples (all)")
+    c.add_argument("--max-seconds", type=float, default=3600.0, metavar="S",
+                   help="give up after this many seconds (3600)")
     c.set_defaults(func=cmd_clients)
 
     u = sub.add_parser("unlearn", help="request unlearning (your own data, or --admin for anyone's)")
@@ -354,25 +515,34 @@ def add_commands(sub: Any) -> None:
     u.add_argument("--admin", action="store_true", help="act as admin")
     u.add_argument("--targets", help="admin: comma-separated client ids")
     u.add_argument("--job", help="job id (default: random)")
-    u.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the result")
-    u.add_argument("--connect-timeout", type=float, default=10.0)
+    u.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="wait up to this many seconds for the result (0: return once both servers "
+                        "hold the request)")
+    connect_timeout(u, 4.0)
     u.set_defaults(func=cmd_unlearn)
 
-    st = sub.add_parser("status", help="rounds, staging and jobs of both servers")
+    st = sub.add_parser("status", help="rounds, staging, jobs and what each server waits for")
     common(st)
-    st.add_argument("--party", type=int, choices=(0, 1), help="only this server")
+    st.add_argument("--party", type=int, choices=(0, 1), help="ask only this server (both)")
     st.add_argument("--job", help="also show this job (with its result summary)")
     st.add_argument("--client", type=int, help="ask as client-ID instead of admin")
-    st.add_argument("--save-model", help="with --job: write the unlearned model (.npy) here")
-    st.add_argument("--json", action="store_true")
-    st.add_argument("--connect-timeout", type=float, default=10.0)
+    st.add_argument("--save-model", metavar="M.npy", help="with --job: write the unlearned model (.npy) here")
+    st.add_argument("--json", action="store_true",
+                    help="print JSON instead of text ({\"server0\": {\"status\": ..., \"job\": ...} or "
+                         "{\"error\": ...}, ...}; bytes as hex)")
+    connect_timeout(st, 2.0)
     st.set_defaults(func=cmd_status)
 
-    a = sub.add_parser("admin", help="operator actions at both servers: cancel a job, re-enrol a client")
+    a = sub.add_parser("admin", help="operator actions at both servers: cancel a job, re-enrol a client, "
+                                     "list or drop staged uploads")
     common(a)
-    a.add_argument("action", choices=("cancel", "reenrol"))
-    a.add_argument("target", help="cancel: the job id; reenrol: the client id")
-    a.add_argument("--connect-timeout", type=float, default=10.0)
+    a.add_argument("action", choices=tuple(_ADMIN_OPS),
+                   help="cancel JOB: cancel an unlearning job not yet adopted; reenrol CLIENT: let a "
+                        "forgotten client take part again; staged: the uploads staged for the open "
+                        "round (client, time, hash, |D_j|); drop-staged CLIENT: withdraw one client's "
+                        "staged upload (it may upload again)")
+    a.add_argument("target", nargs="?", help="the job id (cancel) or the client id (reenrol, drop-staged)")
+    connect_timeout(a, 4.0)
     a.set_defaults(func=cmd_admin, client=None)
 
     i = sub.add_parser("init-deployment", help="write keys and a config for a loopback deployment",
@@ -382,5 +552,8 @@ def add_commands(sub: Any) -> None:
     i.add_argument("dir", help="new directory (refuses an existing CA)")
     i.add_argument("--clients", type=int, default=20, help="client certificates and clients_expected (20)")
     i.add_argument("--rounds", type=int, default=40, help="FL rounds (40)")
-    i.add_argument("--deadline", type=float, help="round deadline in seconds (60)")
+    i.add_argument("--deadline", type=float, metavar="S", help="round deadline in seconds (60)")
+    i.add_argument("--offline", choices=("dealer", "two-party"), default="dealer",
+                   help="[deployment] offline: dealer (default; run `starfish dealer` too) or two-party "
+                        "(no dealer: the servers make the correlated randomness themselves)")
     i.set_defaults(func=cmd_init_deployment)

@@ -71,7 +71,8 @@ ADMIN_PENDING_JOBS = 16
 FORGOTTEN_OPS = frozenset({"state", "get_model", "round_info", "job_status", "status"})
 #: The result fields ``job_status`` shows of a finished job.
 RESULT_FIELDS = ("rounds", "attempt", "selected_rounds", "flags", "correction_steps", "warmup_steps", "wall_seconds",
-                 "model_sha256", "client_exact_updates", "meters")
+                 "model_sha256", "client_exact_updates", "absent_answers", "client_missed_answers",
+                 "client_refused_answers", "correction_wait_seconds", "replay_rules", "meters")
 
 
 class ClientAPI:
@@ -79,8 +80,11 @@ class ClientAPI:
 
     def __init__(self, cfg: ServiceConfig, party: int, listener: socket.socket, ctx: ssl.SSLContext,
                  *, store: ShareStore, state: ServiceState, board: TaskBoard,
-                 rounds: RoundCoordinator, jobs: JobScheduler, stop: threading.Event) -> None:
+                 rounds: RoundCoordinator, jobs: JobScheduler, stop: threading.Event,
+                 health: Callable[[], dict] | None = None) -> None:
+        """``health``: what ``status`` adds about the daemon (what it waits for, clients left out)."""
         self.cfg = cfg
+        self._health = health or dict
         self.party = party
         self.max_bytes = cfg.limits.max_message_bytes
         self.store = store
@@ -259,7 +263,7 @@ class ClientAPI:
         out = {"party": self.party, "T": T, "rounds": self.cfg.fl.rounds,
                "fl_rounds": self.store.fl_rounds, "open_round": self.rounds.open_round(),
                "staged": list(self.store.staged(T + 1)), "busy_job": self.jobs.running,
-               "paused": self.jobs.pending(), "jobs": jobs}
+               "paused": self.jobs.pending(), "jobs": jobs, **self._health()}
         if who == tls.ADMIN_NAME:
             out["forgotten"] = [{"client": c, **{k: v for k, v in rec.items() if v is not None}}
                                 for c, rec in sorted(self.store.forgotten().items())]

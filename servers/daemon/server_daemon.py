@@ -29,12 +29,14 @@ import logging
 import os
 import socket
 import threading
+import time
 
 import numpy as np
 
 from net import tls
 from net.ca import write_private
 from net.channel import listen
+from net.listening import ListenError
 from common.service_config import ServiceConfig
 
 from servers.daemon.client_api import ClientAPI
@@ -52,6 +54,7 @@ from servers.daemon.peer_messages import (
     JobFail,
     JobReceipt,
     JobStart,
+    PeerState,
     parse_request,
 )
 from servers.daemon.round_coordinator import RoundCoordinator
@@ -60,9 +63,35 @@ from servers.daemon.round_leader import RoundLeader
 from servers.daemon.service_state import ServiceState
 from servers.store.share_store import ShareStore
 
-__all__ = ["ServerDaemon", "install_crash_points", "checkpoint"]
+__all__ = ["ServerDaemon", "StartupError", "install_crash_points", "checkpoint"]
 
 log = logging.getLogger("starfish.server")
+
+#: seconds between two probes of the dealer's port
+PROBE_INTERVAL = 2.0
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start as configured; the message says what, where and what to do."""
+
+
+class _WatchedPeer(PeerClient):
+    """Server 0's control link, remembering whether its last call reached server 1 (``status``)."""
+
+    reached = False                   # did the last call reach server 1
+    last_error = "not contacted yet"
+    last_state: dict | None = None    # server 1's last answer to GetState (its staged uploads)
+
+    def call(self, request):  # type: ignore[override]
+        try:
+            reply = super().call(request)
+        except Exception as exc:
+            self.reached, self.last_error = False, str(exc)
+            raise
+        self.reached = True
+        if isinstance(request, GetState):
+            self.last_state = reply
+        return reply
 
 
 class ServerDaemon:
@@ -86,17 +115,20 @@ class ServerDaemon:
         self.board = TaskBoard()
         self.stop_event = threading.Event()
         me = cfg.server(party)
-        self._api_listener = listen(me.host, me.api_port, backlog=128)
+        self._api_listener = self._listen("api_port", me.api_port)
         self._peer_listener: socket.socket | None = None
         self._mpc_listener: socket.socket | None = None
-        self.peer: PeerClient | None = None
+        self.peer: _WatchedPeer | None = None
+        self._peer_seen = 0.0          # server 1: when server 0 last asked something
+        self._dealer_up: bool | None = None
+        self._left_out: dict[int, str] = {}
         if party == 1:
             # a burst of strangers must not fill the kernel's queue before admission sees them
-            self._peer_listener = listen(me.host, me.peer_port, backlog=128)
-            self._mpc_listener = listen(me.host, me.mpc_port, backlog=128)
+            self._peer_listener = self._listen("peer_port", me.peer_port)
+            self._mpc_listener = self._listen("mpc_port", me.mpc_port)
         else:
-            self.peer = PeerClient(cfg.keys_dir, cfg.server1.peer().address,
-                                   timeout=cfg.limits.peer_timeout, max_bytes=cfg.limits.max_frame_bytes)
+            self.peer = _WatchedPeer(cfg.keys_dir, cfg.server1.peer().address,
+                                     timeout=cfg.limits.peer_timeout, max_bytes=cfg.limits.max_frame_bytes)
         self.rounds: RoundCoordinator = (
             RoundLeader(cfg, self.store, self.state, peer=self.peer, stop=self.stop_event)
             if self.peer is not None else
@@ -106,14 +138,133 @@ class ServerDaemon:
                                  mpc_listener=self._mpc_listener, peer=self.peer, stop=self.stop_event)
         self.jobs.requeue_interrupted()
         self.api = ClientAPI(cfg, party, self._api_listener, api_ctx, store=self.store, state=self.state,
-                             board=self.board, rounds=self.rounds, jobs=self.jobs, stop=self.stop_event)
+                             board=self.board, rounds=self.rounds, jobs=self.jobs, stop=self.stop_event,
+                             health=self.health)
         log.info("%s: history with %d committed rounds, %d staged uploads for round %d",
                  self.name, self.store.num_rounds, len(self.store.staged(self.store.num_rounds + 1)),
                  self.store.num_rounds + 1)
 
+    def _listen(self, key: str, port: int) -> socket.socket:
+        host = self.cfg.server(self.party).host
+        try:
+            return listen(host, port, backlog=128)
+        except ListenError as exc:
+            raise StartupError(
+                f"{self.name}: {exc} ([{self.name}] {key} = {port} in {self.cfg.path}); stop the "
+                f"process that holds it (`ss -ltnp 'sport = :{port}'` names it) or choose another "
+                f"port in the config") from None
+
+    # ------------------------------------------------------------------ what it waits for
+    def _needs_dealer(self) -> bool:
+        return self.cfg.offline == "dealer"
+
+    def waiting_for(self) -> list[str]:
+        """What this daemon waits for now, one phrase each (``status``, the start-up line)."""
+        out = []
+        now = time.monotonic()
+        if self.party == 0:
+            assert self.peer is not None
+            if not self.peer.reached:
+                out.append(f"server 1 at {self.cfg.server1.host}:{self.cfg.server1.peer_port} "
+                           f"(control link; {self.peer.last_error}): start `starfish server --party 1`")
+        # the leader asks every 50 ms, but not while it runs a round's 2PC session: only a
+        # silence longer than its own request timeout means server 0 is gone
+        elif not self._peer_seen or now - self._peer_seen > self.cfg.limits.peer_timeout:
+            out.append(f"server 0 to connect to the control link on port {self.cfg.server1.peer_port}: "
+                       f"start `starfish server --party 0`")
+        if self._needs_dealer() and not self._dealer_up:
+            d = self.cfg.dealer
+            out.append(f"the dealer at {d.host}:{d.port} ([dealer] in {self.cfg.path}): FL rounds "
+                       f"(range check) and unlearning jobs need it: start `starfish dealer --config "
+                       f"{self.cfg.path}`")
+        return out
+
+    def health(self) -> dict:
+        """What ``status`` adds: what this daemon waits for, why clients are left out of the open round."""
+        return {"waiting_for": self.waiting_for(),
+                "left_out": {str(j): why for j, why in sorted(self._left_out.items())}}
+
+    def _one_sided(self) -> dict[int, str]:
+        """Server 0: the clients of the open round that the round cannot take, and why.
+
+        A round takes only clients staged at both servers with the same |D_j|
+        (``RoundCoordinator``); the others used to be dropped without a word.
+        """
+        view = self.peer.last_state if self.peer is not None else None
+        if view is None:
+            return {}
+        r = self.store.num_rounds + 1
+        peer = PeerState.from_wire(view)
+        if peer.T != r - 1:
+            return {}
+        mine, theirs = self.state.sizes(r), dict(peer.staged)
+        out = {}
+        for j in sorted(set(mine) | set(theirs)):
+            if j not in theirs:
+                out[j] = f"its upload for round {r} reached server 0 only: it must upload to server 1 too"
+            elif j not in mine:
+                out[j] = f"its upload for round {r} reached server 1 only: it must upload to server 0 too"
+            elif mine[j] != theirs[j]:
+                out[j] = (f"it reported num_samples {mine[j]} to server 0 and {theirs[j]} to server 1 "
+                          f"for round {r}: both uploads must report the same |D_j|")
+        return out
+
+    def _watch_rounds(self) -> None:
+        """Server 0: log (once) each client the open round cannot take, and name it again if the
+        round commits without it; ``status`` shows the current list."""
+        seen: dict[tuple[int, int], float] = {}
+        logged: set[tuple[int, int, str]] = set()
+        T = self.store.num_rounds
+        while not self.stop_event.wait(0.5):
+            try:
+                now, T_now = time.monotonic(), self.store.num_rounds
+                if T_now != T:       # the round committed: who was left out of it
+                    parts = set(self.store.participants(T_now)) if T_now == T + 1 else set()
+                    for j, why in self._left_out.items():
+                        if j not in parts:
+                            log.warning("round %d committed without client %d: %s", T + 1, j, why)
+                    self._left_out, seen, T = {}, {}, T_now
+                    continue
+                current = self._one_sided()
+                for j, why in current.items():
+                    first = seen.setdefault((T + 1, j), now)
+                    # an upload on its way to the second server is one-sided for milliseconds
+                    if now - first >= 2.0 and (T + 1, j, why) not in logged:
+                        logged.add((T + 1, j, why))
+                        log.warning("round %d: client %d is not taken: %s", T + 1, j, why)
+                self._left_out = {j: why for j, why in current.items()
+                                  if now - seen[(T + 1, j)] >= 2.0}
+            except Exception as exc:  # noqa: BLE001 - a store closing at shutdown; bookkeeping only
+                log.debug("round watch: %s", exc)
+
+    def _probe_dealer(self) -> None:
+        """Watch the dealer's port (dealer mode): a line when it goes away or comes back.
+
+        Why a probe: a session connects to the dealer only when a round closes or a job runs;
+        without it a missing dealer showed only as a round that never closed.
+        """
+        addr = (self.cfg.dealer.host, self.cfg.dealer.port)
+        while not self.stop_event.is_set():
+            try:
+                socket.create_connection(addr, timeout=1.0).close()
+                up = True
+            except OSError:
+                up = False
+            if up != self._dealer_up:
+                if up:
+                    log.info("%s: the dealer at %s:%d answers", self.name, *addr)
+                elif self._dealer_up is not None:
+                    log.warning("%s: the dealer at %s:%d stopped answering; FL rounds and unlearning "
+                                "jobs wait for it (start `starfish dealer --config %s`)", self.name,
+                                *addr, self.cfg.path)
+                self._dealer_up = up
+            self.stop_event.wait(PROBE_INTERVAL)
+
     # ------------------------------------------------------------------ lifecycle
     def serve_forever(self) -> None:
         threads = [threading.Thread(target=self.api.serve_forever, name="api", daemon=True)]
+        if self._needs_dealer():
+            threads.append(threading.Thread(target=self._probe_dealer, name="dealer-probe", daemon=True))
         if self.party == 1:
             assert self._peer_listener is not None
             peer = PeerServer(self.cfg.keys_dir, self._peer_listener, self._answer_peer,
@@ -125,10 +276,14 @@ class ServerDaemon:
             assert isinstance(self.rounds, RoundLeader)
             threads.append(threading.Thread(target=self.rounds.lead_forever, args=(self.jobs,),
                                             name="leader", daemon=True))
+            threads.append(threading.Thread(target=self._watch_rounds, name="round-watch", daemon=True))
         for t in threads:
             t.start()
         write_private(self.data_dir / "ready.json", json.dumps({"pid": os.getpid(), "party": self.party}).encode())
         log.info("%s ready: client API on %s:%d", self.name, *self._api_listener.getsockname()[:2])
+        self.stop_event.wait(0.3)   # the first probes; a peer already up is not reported as awaited
+        for what in self.waiting_for():
+            log.info("%s waits for %s", self.name, what)
         try:
             while not self.stop_event.wait(0.5):
                 pass
@@ -155,6 +310,7 @@ class ServerDaemon:
     # ------------------------------------------------------------------ server 1: control requests
     def _answer_peer(self, op: str, msg: dict) -> dict:
         """Server 1's answer to one control request of the leader (reply fields)."""
+        self._peer_seen = time.monotonic()
         req = parse_request(op, msg, self.store.dim)
         rounds = self.rounds
         assert isinstance(rounds, RoundFollower)
