@@ -166,10 +166,11 @@ def _program(party, primitive: str, sizes: list[int]) -> dict:
 # ----------------------------------------------------------------------------- parent side
 def measure(primitive: str, sizes: list[int], provider: str, link, prefill: bool,
             timeout: float) -> list[dict]:
-    dry = run_parties(_program, primitive, sizes, provider=provider, link=link, timeout=timeout)
+    tfp = provider == "tfp"    # the test-only provider; otherwise the dealer
+    dry = run_parties(_program, primitive, sizes, insecure_tfp=tfp, link=link, timeout=timeout)
     res = dry
     if provider == "dealer" and prefill:
-        res = run_parties(_program, primitive, sizes, provider=provider, link=link,
+        res = run_parties(_program, primitive, sizes, insecure_tfp=tfp, link=link,
                           plan=dry.plans[1], timeout=timeout)
     rows = []
     for n in sizes:

@@ -45,11 +45,11 @@ def _program(party, op: str, n: int):
 def measure(op: str, n: int, provider: str, link) -> dict:
     plan = None
     if provider == "dealer":
-        plan = run_parties(_program, op, n, provider="dealer", link=link, timeout=600).plans[1]
+        plan = run_parties(_program, op, n, link=link, timeout=600).plans[1]
     if provider == "two-party":
         res = run_parties(_program, op, n, offline="two-party", link=link, timeout=3600)
     else:
-        res = run_parties(_program, op, n, provider=provider, link=link, plan=plan, timeout=600)
+        res = run_parties(_program, op, n, insecure_tfp=provider == "tfp", link=link, plan=plan, timeout=600)
     s0, s1 = (m["steps"][op] for m in res.meters)
     if provider == "two-party":   # made inside the step, over the one server link
         offline = s0["offline_bytes_sent"] + s0["offline_bytes_received"]

@@ -23,6 +23,7 @@ from typing import Any
 
 from common.robust_rules import (AGGREGATORS, BRACE_CLIENTS, BRACE_DECAY, BRACE_LAMBDA, BRACE_SCALE,
                                  FEDSECA_BETA, FEDSECA_GAMMA)
+from common.offline_mode import OfflineMode
 from common.starfish_params import PAPER
 from net import tls
 
@@ -168,16 +169,12 @@ class ClientsSection:
 
 
 
-#: where a 2PC session's correlated randomness comes from (docs/design.md 4.3): "dealer" (a third,
-#: non-colluding process) or "two-party" (no third party: the servers make it between themselves)
-OFFLINE_MODES = ("dealer", "two-party")
-
 
 @dataclass(frozen=True)
 class ServiceConfig:
     path: Path
     keys_dir: Path
-    offline: str = "dealer"
+    offline: OfflineMode = OfflineMode.DEALER   # where the 2PC sessions' correlations come from
     server0: ServerSection = field(default_factory=ServerSection)
     server1: ServerSection = field(default_factory=lambda: ServerSection(
         api_port=7110, peer_port=7111, mpc_port=7112, data_dir="data/server1"))
@@ -307,9 +304,10 @@ def load_config(path: str | os.PathLike[str]) -> ServiceConfig:
     keys = deployment.get("keys_dir", "keys")
     if not isinstance(keys, str):
         raise ConfigError("[deployment] keys_dir must be a string")
-    offline = deployment.get("offline", "dealer")
-    if offline not in OFFLINE_MODES:
-        raise ConfigError(f"[deployment] offline must be one of {', '.join(OFFLINE_MODES)}, got {offline!r}")
+    try:
+        offline = OfflineMode.of(deployment.get("offline", OfflineMode.DEALER))
+    except ValueError as exc:
+        raise ConfigError(f"[deployment] {exc}") from None
     cfg = ServiceConfig(path=p, keys_dir=Path("."), offline=offline)
     unknown = sorted(set(top) - set(_SECTIONS))
     if unknown:
@@ -374,7 +372,7 @@ SCRATCH_CA_DIR = "ca-offline"
 
 def write_scratch_deployment(directory: str | os.PathLike[str], *, clients: int = 20,
                              overrides: dict[str, dict[str, Any]] | None = None,
-                             offline: str = "dealer") -> Path:
+                             offline: OfflineMode | str = OfflineMode.DEALER) -> Path:
     """Keys (servers, dealer, admin, client-0..N-1) and a config on free loopback ports.
 
     Returns the path of ``config.toml``. ``overrides`` maps section -> {key: value}. The
@@ -388,9 +386,11 @@ def write_scratch_deployment(directory: str | os.PathLike[str], *, clients: int 
     d.mkdir(parents=True, exist_ok=True)
     tls.init_keys(d / "keys", clients=clients, ca_dir=d / SCRATCH_CA_DIR)
     ports = free_loopback_ports(7)
-    if offline not in OFFLINE_MODES:
-        raise ConfigError(f"offline must be one of {', '.join(OFFLINE_MODES)}, got {offline!r}")
-    cfg = ServiceConfig(path=d / "config.toml", keys_dir=d / "keys", offline=offline)
+    try:
+        mode = OfflineMode.of(offline)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    cfg = ServiceConfig(path=d / "config.toml", keys_dir=d / "keys", offline=mode)
     cfg = dataclasses.replace(
         cfg,
         server0=ServerSection("127.0.0.1", ports[0], ports[1], ports[2], "data/server0"),

@@ -35,7 +35,9 @@ import torch
 from net import tls
 from net.channel import NO_LINK, LinkProfile, listen
 from .dealer import DealerServer
-from .session import OFFLINE_MODES, open_party
+from common.offline_mode import OfflineMode
+
+from .session import open_party
 
 _KEYS_DIR: str | None = None
 _KEYS_LOCK = threading.Lock()
@@ -127,8 +129,8 @@ def _party_main(rank: int, fn: Callable, args: tuple, kwargs: dict, opts: dict, 
             peer_listener=listener,
             peer_address=peer,
             dealer_address=opts.get("dealer_address"),
-            provider=opts["provider"],
-            allow_insecure_tfp=opts["provider"] == "TFP",
+            offline=opts["offline"],
+            insecure_tfp=opts["insecure_tfp"],
             link=opts["link"],
             dealer_link=opts["dealer_link"],
             timeout=opts["timeout"],
@@ -150,8 +152,8 @@ def _party_main(rank: int, fn: Callable, args: tuple, kwargs: dict, opts: dict, 
 def run_parties(
     fn: Callable,
     *args: Any,
-    provider: str = "dealer",
-    offline: str = "dealer",
+    offline: OfflineMode | str = OfflineMode.DEALER,
+    insecure_tfp: bool = False,
     link: LinkProfile = NO_LINK,
     dealer_link: LinkProfile = NO_LINK,
     timeout: float = 120.0,
@@ -169,8 +171,8 @@ def run_parties(
     offline: "dealer" (default: correlated randomness from a third process, the dealer) or
         "two-party" (no dealer: the two parties make everything between themselves with the
         two-party engine, ``mpc.spu_engine``; no third process is started).
-    provider: "dealer" (default: as ``offline`` says) or "tfp" (CrypTen's trusted-first-party
-        provider: party 0 knows every triple; tests only).
+    insecure_tfp: make the correlations with CrypTen's trusted-first-party provider instead of
+        either mode (party 0 knows every triple; tests only; no dealer is started).
     link: emulated server<->server link (latency, bandwidth); dealer_link likewise.
     plan: a request list recorded by an earlier run (``results.plans[0]``); the dealer
         material for it is fetched before ``fn`` runs, metered as step "prefill".
@@ -183,21 +185,17 @@ def run_parties(
     keys_dir: a key directory (``starfish keys init``); default: a throw-away one for this run.
     ticket: the session ticket both parties present (see ``mpc.session.open_party``).
     """
-    if offline not in OFFLINE_MODES:
-        raise ValueError(f"offline must be one of {sorted(OFFLINE_MODES)}, not {offline!r}")
-    prov = {"dealer": OFFLINE_MODES[offline], "tfp": "TFP"}.get(provider)
-    if prov is None:
-        raise ValueError(f"provider must be 'dealer' or 'tfp', not {provider!r}")
+    mode = OfflineMode.of(offline)
     ctx = mp_context()
     ports, results = ctx.Queue(), ctx.Queue()
     procs: list[mp.Process] = []
     t0 = time.perf_counter()
     own_keys = None if keys_dir else _make_keys(keep_ca_key=False)
     try:
-        opts: dict[str, Any] = {"keys_dir": keys_dir or own_keys, "provider": prov, "link": link,
+        opts: dict[str, Any] = {"keys_dir": keys_dir or own_keys, "offline": mode, "insecure_tfp": insecure_tfp, "link": link,
                                 "dealer_link": dealer_link, "timeout": timeout, "plan": plan,
                                 "threads": threads, "truncation": truncation, "ticket": ticket}
-        if prov == "STARFISH_DEALER":
+        if mode is OfflineMode.DEALER and not insecure_tfp:
             dealer = ctx.Process(target=_dealer_main, args=(opts["keys_dir"], ports), daemon=True, name="dealer")
             dealer.start()
             procs.append(dealer)

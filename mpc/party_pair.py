@@ -60,8 +60,8 @@ def _serve(party: Any, inbox: Any, outbox: Any) -> int:
 class PartyPair:
     """Two parties (and a dealer) kept alive across calls; see the module docstring."""
 
-    def __init__(self, *, provider: str = "dealer", timeout: float = 120.0, **options: Any) -> None:
-        self.provider = provider
+    def __init__(self, *, timeout: float = 120.0, **options: Any) -> None:
+        """``options``: ``run_parties``' keywords (``offline=``, ``insecure_tfp=``, ``link=``, ...)."""
         self.timeout = timeout
         self.options = options
         self._thread: threading.Thread | None = None
@@ -78,7 +78,7 @@ class PartyPair:
         def run() -> None:
             try:
                 self._outcome.append(run_parties(
-                    _serve, provider=self.provider, timeout=self.timeout,
+                    _serve, timeout=self.timeout,
                     party_args=((in0, out0), (in1, out1)), **self.options))
             except BaseException as exc:  # noqa: BLE001 - kept for the caller
                 self._outcome.append(exc)

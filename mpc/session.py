@@ -21,14 +21,15 @@ from .communicator import TwoPartyCommunicator
 from .dealer import DealerLink
 from .dealer_provider import NAME as DEALER, DealerProvider
 from common.encoding import DEFAULT_PRECISION
+from common.offline_mode import OfflineMode
 from net.peer_accept import accept_peer, check_ticket, connect_peer
 from .tfp import TestOnlyTFP
 from .truncation import RANGE_BITS, truncate_share
 from .two_party_provider import NAME as TWO_PARTY, TwoPartyProvider
 
 TFP = "TFP"
-#: what ``offline=`` means: where the correlated randomness of a session comes from
-OFFLINE_MODES = {"dealer": DEALER, "two-party": TWO_PARTY}
+#: the CrypTen provider that makes each mode's correlations (TFP: ``insecure_tfp``, tests only)
+_PROVIDERS = {OfflineMode.DEALER: DEALER, OfflineMode.TWO_PARTY: TWO_PARTY}
 _provider = DealerProvider()
 _two_party = TwoPartyProvider()
 cc.register_provider(DEALER, _provider)
@@ -38,10 +39,10 @@ cc.register_provider(TFP, TestOnlyTFP())  # CrypTen's TFP plus edabits; still re
 
 def session_source(cfg) -> dict:
     """``open_party`` keywords for a deployment's ``offline`` mode (``common.service_config``): the
-    dealer's address, or the two-party provider and no dealer at all."""
-    if cfg.offline == "two-party":
-        return {"provider": TWO_PARTY}
-    return {"provider": DEALER, "dealer_address": cfg.dealer.endpoint().address}
+    mode, and in dealer mode the dealer's address."""
+    if cfg.offline is OfflineMode.TWO_PARTY:
+        return {"offline": OfflineMode.TWO_PARTY}
+    return {"offline": OfflineMode.DEALER, "dealer_address": cfg.dealer.endpoint().address}
 
 
 def _engine_truncation(share, d):
@@ -56,10 +57,6 @@ def _engine_truncation(share, d):
     return _two_party.truncate_share(share, d)
 
 
-class InsecureProviderError(RuntimeError):
-    """TFP (party 0 knows every triple) requested without the explicit test-only flag."""
-
-
 @dataclass
 class Party:
     """Handle passed to two-party programs: rank, metering, and share helpers."""
@@ -67,15 +64,11 @@ class Party:
     rank: int
     channel: Channel
     metering: metering.Meter
-    provider_name: str
+    #: where this session's correlations come from; None: the test-only TFP (party 0 makes them)
+    offline: OfflineMode | None
     dealer: DealerLink | None = None
     extras: dict = field(default_factory=dict)
     engine: object | None = None   # the two-party engine (``mpc.spu_engine``) in two-party mode
-
-    @property
-    def offline(self) -> str:
-        """"dealer", "two-party" or "tfp" (tests): where this session's correlations come from."""
-        return {DEALER: "dealer", TWO_PARTY: "two-party"}.get(self.provider_name, "tfp")
 
     def meter(self, name: str):
         """``with party.meter("TD"): ...`` attributes traffic and time to step ``name``."""
@@ -95,11 +88,11 @@ class Party:
 
     @property
     def recorded_plan(self) -> list[tuple]:
-        return list(_provider.recorded) if self.provider_name == DEALER else []
+        return list(_provider.recorded) if self.offline is OfflineMode.DEALER else []
 
     def prefill(self, plan: list[tuple]) -> None:
         """Fetch the dealer material for ``plan`` now (offline phase), before computing."""
-        if self.provider_name != DEALER:
+        if self.offline is not OfflineMode.DEALER:
             raise RuntimeError("prefill needs the dealer provider")
         _provider.prefill(plan)
 
@@ -133,8 +126,8 @@ def open_party(
     peer_listener: socket.socket | None = None,
     peer_address: tuple[str, int] | None = None,
     dealer_address: tuple[str, int] | None = None,
-    provider: str = DEALER,
-    allow_insecure_tfp: bool = False,
+    offline: OfflineMode | str = OfflineMode.DEALER,
+    insecure_tfp: bool = False,
     link: LinkProfile = NO_LINK,
     dealer_link: LinkProfile = NO_LINK,
     timeout: float = 120.0,
@@ -151,15 +144,15 @@ def open_party(
     ``truncation``: "wrapfree" (default: every fixed-point truncation uses a dealer truncation
     pair and cannot wrap, ``mpc.truncation``) or "local" (CrypTen's share division, which wraps
     with probability about |x| / 2**64 per element; kept for measuring that risk).
+
+    ``offline``: where the correlations come from (``common.offline_mode``; a string is read as
+    its mode). ``insecure_tfp``: make them with CrypTen's trusted-first-party provider instead,
+    so that party 0 knows every triple: for unit tests only, no daemon sets it.
     """
+    mode = None if insecure_tfp else OfflineMode.of(offline)
     if truncation not in ("wrapfree", "local"):
         raise ValueError(f"truncation must be 'wrapfree' or 'local', not {truncation!r}")
-    if provider == TFP and not allow_insecure_tfp:
-        raise InsecureProviderError(
-            "the TFP provider lets party 0 know every triple; it is for unit tests only"
-        )
-    if provider not in (DEALER, TFP, TWO_PARTY):
-        raise ValueError(f"unknown provider {provider!r}")
+    provider = TFP if mode is None else _PROVIDERS[mode]
     wire_ticket = check_ticket(ticket)
     ident = tls.identity(keys_dir, tls.PARTY_NAMES[rank])
     meter = metering.Meter()
@@ -190,7 +183,7 @@ def open_party(
             cc.seed_generators()
 
             dealer = None
-            if provider == DEALER:
+            if mode is OfflineMode.DEALER:
                 if dealer_address is None:
                     raise ValueError("the dealer provider needs the dealer's address")
                 dch = Channel.connect(dealer_address, tls.client_context(ident), tls.DEALER_NAME,
@@ -198,7 +191,7 @@ def open_party(
                 dealer = DealerLink(dch, rank, session_id)
                 _provider.attach(rank, dealer)
             wrapfree = truncate_share
-            if provider == TWO_PARTY:
+            if mode is OfflineMode.TWO_PARTY:
                 from .spu_engine import SpuEngine  # imports jax and SPU: only in this mode
 
                 engine = SpuEngine(rank, ch, meter, link=link, timeout=timeout)
@@ -218,4 +211,4 @@ def open_party(
         TwoPartyCommunicator.shutdown()
         metering.set_current(None)
         raise
-    return Party(rank, ch, meter, provider, dealer, {"session_id": session_id.hex()}, engine)
+    return Party(rank, ch, meter, mode, dealer, {"session_id": session_id.hex()}, engine)

@@ -2,7 +2,7 @@
 
 TEST ONLY: party 0 generates every correlated value, so it knows all of them and a
 computation run with it is not private. ``mpc.session`` registers it under CrypTen's
-name "TFP" and refuses it unless ``allow_insecure_tfp`` is set; daemons never set it.
+name "TFP" and uses it only under ``open_party(insecure_tfp=True)``; daemons never set it.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from net import channel as chmod
 from net import tls
 from net.channel import KIND_OBJECT, Channel
 from mpc.launcher import PartyError, ephemeral_keys, mp_context, run_parties
+from common.offline_mode import OfflineMode
 from mpc.session import Party
 
 POLL = 0.01
@@ -118,10 +119,10 @@ def test_peer_closed_turns_when_the_other_end_goes_and_only_then():
 def test_peer_alive_watches_the_dealer_only_where_it_stays_connected():
     def party(rank, peer_gone=False, dealer_gone=False):
         dealer = SimpleNamespace(channel=SimpleNamespace(peer_closed=dealer_gone))
-        return Party(rank, SimpleNamespace(peer_closed=peer_gone), None, "STARFISH_DEALER", dealer)
+        return Party(rank, SimpleNamespace(peer_closed=peer_gone), None, OfflineMode.DEALER, dealer)
 
     assert party(0).peer_alive() and party(1).peer_alive()
     assert not party(0, peer_gone=True).peer_alive() and not party(1, peer_gone=True).peer_alive()
     assert not party(1, dealer_gone=True).peer_alive()
     assert party(0, dealer_gone=True).peer_alive()  # the dealer hangs up on party 0 after the seed
-    assert Party(1, SimpleNamespace(peer_closed=False), None, "TFP").peer_alive()  # no dealer at all
+    assert Party(1, SimpleNamespace(peer_closed=False), None, None).peer_alive()  # TFP: no dealer at all

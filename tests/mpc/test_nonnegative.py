@@ -75,7 +75,7 @@ def test_sign_test_is_exact_on_the_whole_ring(provider, n):
     mask = RNG.integers(-(2**63), 2**63 - 1, x.shape, dtype=np.int64)
     with np.errstate(over="ignore"):
         share0 = x - mask  # wraps mod 2^64 like the ring
-    res = run_parties(parties.sign_test_ring, share0, mask, provider=provider)
+    res = run_parties(parties.sign_test_ring, share0, mask, insecure_tfp=provider == "tfp")
     (bit0, shape0), (bit1, shape1) = res.values
     assert shape0 == shape1 == list(x.shape)
     assert np.array_equal(bit0, bit1)

@@ -29,7 +29,7 @@ def test_multiply_compare_open_match_numpy(provider):
     # about |ring| / 2^64 per element (~1% per run); the wrap-free truncation cannot
     m1 = rng.normal(size=(3, 5)).astype(np.float32)
     m2 = rng.normal(size=(5, 4)).astype(np.float32)
-    res = run_parties(parties.arithmetic_suite, a, b, m1, m2, provider=provider)
+    res = run_parties(parties.arithmetic_suite, a, b, m1, m2, insecure_tfp=provider == "tfp")
     out0, out1 = res.values
     for k in out0:
         assert np.array_equal(out0[k], out1[k]), k  # both parties open the same value

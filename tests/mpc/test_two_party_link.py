@@ -8,7 +8,7 @@ length 0, valid now) but another key. The link must not come up: ``EngineError``
 that trusts the wrong certificate (and, since the handshake fails both ways, on the other).
 Positive control: the same construction with the right trust computes a sign test correctly.
 
-The engines are built by hand inside a ``provider="tfp"`` session (tests only: a party with a
+The engines are built by hand inside an ``insecure_tfp=True`` session (tests only: a party with a
 channel and a meter, no engine of its own), as ``mpc.session.open_party`` builds them.
 """
 
@@ -56,7 +56,7 @@ def engine_by_hand(party, trust_for_rank1: bytes | None, engine_timeout: float, 
     constructor, this party's share of [x >= 0] or None)."""
     from mpc.spu_engine import EngineError, SpuEngine
 
-    assert party.engine is None and party.offline == "tfp"
+    assert party.engine is None and party.offline is None   # the TFP session: neither mode
     override = trust_for_rank1 if party.rank == 1 else None
     t0 = time.monotonic()
     try:
@@ -89,7 +89,7 @@ def refused():
     x = np.array([0, 1, -1], dtype=np.int64)
     t0 = time.monotonic()
     res = run(engine_by_hand, other_certificate_pem(), ENGINE_TIMEOUT, x, np.zeros_like(x),
-                      provider="tfp", timeout=150)
+                      insecure_tfp=True, timeout=150)
     return res.values, time.monotonic() - t0
 
 
@@ -119,7 +119,7 @@ def test_the_right_certificate_links_and_computes():
                  + rng.integers(LO, HI, 50, dtype=np.int64, endpoint=True).tolist(), dtype=np.int64)
     s1 = rng.integers(LO, HI, x.size, dtype=np.int64, endpoint=True)
     s0 = (x.view(np.uint64) - s1.view(np.uint64)).view(np.int64)
-    res = run(engine_by_hand, None, 20.0, s0, s1, provider="tfp", timeout=120)
+    res = run(engine_by_hand, None, 20.0, s0, s1, insecure_tfp=True, timeout=120)
     (out0, sec0, msg0, bit0), (out1, sec1, msg1, bit1) = res.values
     assert out0 == out1 == "ok", (msg0, msg1)
     assert sec0 < 20 and sec1 < 20

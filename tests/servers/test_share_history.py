@@ -110,7 +110,7 @@ def test_a_two_party_session_computes_on_the_stored_shares(tmp_path):
         models.append(model)
     for s in stores:
         s.close()
-    res = run_parties(_party_reads_store, roots, 7, provider="tfp", timeout=60)
+    res = run_parties(_party_reads_store, roots, 7, insecure_tfp=True, timeout=60)
     for values in res.values:
         for (g, u, n), x, m_prev, m in zip(values, xs, models, models[1:]):
             assert np.max(np.abs(g - x)) <= 1e-3

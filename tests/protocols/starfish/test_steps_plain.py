@@ -104,7 +104,7 @@ def test_sub_protocols_two_party_match_plaintext():
     inp = {"g": g, "dm": dm, "norms": q(np.linalg.norm(g, axis=1)),
            "deltas": q(rng.random((n, T))), "stored": q(rng.normal(size=(n, m)) * 0.3),
            "diff": q(rng.normal(size=m) * 0.2), "S": S, "Y": Y, "thr_in": q([0.1, 5.0, 0.5])}
-    res = run_parties(lab_2pc_program, inp, provider="tfp")
+    res = run_parties(lab_2pc_program, inp, insecure_tfp=True)
     out = res.values[0]
     t = {k: torch.from_numpy(v) for k, v in inp.items()}
     u, v = selection_keys(t["g"], t["dm"], t["norms"])

@@ -1,0 +1,29 @@
+"""Where a 2PC session's correlated randomness comes from (docs/design.md 4.3): one value from the
+deployment config (``[deployment] offline``) through ``run_parties`` and ``open_party`` to the
+session (``Party.offline``).
+
+``dealer``: a third, non-colluding process hands out the material; ``two-party``: no third party,
+the servers make it between themselves. The enum's members are strings ("dealer" == OfflineMode.DEALER),
+so configs, command lines and ``run_parties(offline="two-party")`` keep spelling them as text;
+:meth:`OfflineMode.of` is the one place a spelling is checked.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+__all__ = ["OfflineMode"]
+
+
+class OfflineMode(StrEnum):
+    DEALER = "dealer"
+    TWO_PARTY = "two-party"
+
+    @classmethod
+    def of(cls, value: str) -> OfflineMode:
+        """The mode a user wrote; anything else is a ValueError naming the choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"offline must be one of {', '.join(m.value for m in cls)}, "
+                             f"got {value!r}") from None
