@@ -61,7 +61,7 @@ from common.service_config import AGGREGATORS, BRACE_CLIENTS, load_config, write
 from protocols.robust_aggregation import brace_sign
 from protocols.starfish import run_stage2
 from protocols.starfish.ports import History, history_prefix
-from lab.aggregators import BraceSign, FedSECA
+from lab.aggregators import BraceSign, FedSECA, replay_rule
 from lab.history import NpzHistory
 from lab.metrics import l2_distance
 from lab.recovery import FedRecover, Retrain
@@ -295,7 +295,9 @@ def _baselines(cfg: Any, full: History, rounds: int, n: int, target: int, model_
 
     t = time.perf_counter()
     with bar("Starfish, plaintext twin") as b:
-        plain = run_stage2(None, twin, [target], starfish_params(cfg), _Plain(), progress=progress.callback(b))
+        # the servers replay each round with the rule that made it; so does the twin
+        plain = run_stage2(None, twin, [target], starfish_params(cfg), _Plain(), progress=progress.callback(b),
+                           combine=replay_rule(_lab_rule(cfg.fl)))
     t_plain = time.perf_counter() - t
     with bar("retrain, plaintext") as b:   # with the rule FL used: what FL without the target gives
         retrained, c_re = Retrain(aggregator=_lab_rule(cfg.fl)).unlearn(twin, [target], fed.clients,
@@ -517,9 +519,9 @@ def run_service_demo(args: argparse.Namespace) -> int:
                      f"{costs['rounds_aggregated']} rounds): {costs['online_bytes'] / 1e6:.2f} MB online, "
                      f"{costs['offline_bytes'] / 1e6:.2f} MB offline, {costs['online_rounds']:.0f} rounds, "
                      f"{costs['seconds']:.2f} s; clients left out by the threshold check: {costs['dropped']}")
-            _say(f"  note: Stage II replays this history as FedAvg (M_i = M_(i-1) - eta sum_j w_j g_j), "
-                 f"which differs from the {aggregator} rounds as they were (docs/unlearning.md); "
-                 f"retrain below uses {aggregator}")
+            _say(f"  note: Stage II replays each round of this history with {aggregator} in 2PC, as the "
+                 f"round was made (docs/unlearning.md, 'Robustly aggregated histories'); the plaintext "
+                 f"twin and retrain below use {aggregator} too")
         _say(f"unlearning job {job}: requested by client-{target}; both servers published the "
              f"{'same' if same else 'DIFFERENT'} model; 2PC vs plaintext twin: max |diff| = "
              f"{extra['max_abs_2pc_vs_plain']:.1e}\n")
