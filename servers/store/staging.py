@@ -96,8 +96,12 @@ class StagingArea(StoreCatalog):
                          self.root, j, i)
                 return False
             if not replace:
+                # the message reaches clients as a ``conflict`` reply: it names what they can
+                # do, not this method's ``replace`` argument (no field of the wire schema)
                 raise StagingConflictError(f"client {j} already staged a different upload for "
-                                           f"round {i} (pass replace=True to overwrite it)")
+                                           f"round {i}; an upload cannot be replaced (send the "
+                                           f"same one again, or the operator withdraws it with "
+                                           f"`starfish admin drop-staged {j}`, then upload anew)")
         self.blobs.put_many(up.blobs)
         self._checkpoint_hook("staged-blob-durable")
         with self._txn() as c:
