@@ -108,8 +108,9 @@ class History(ABC):
         """M_i - M_{i-1} (public)."""
         return self.model(i) - self.model(i - 1)
 
-    def num_samples(self, client: int) -> float | None:
-        """Relative data size of ``client`` (its weight in the first round it joined)."""
+    def weight(self, client: int) -> float | None:
+        """``client``'s FedAvg weight in the first round it joined (its relative data size;
+        None if it never took part). A weight, not a count: histories keep w_j = |D_j| / N."""
         for i in range(1, self.num_rounds + 1):
             w = self.weights(i)
             if client in w:

@@ -377,7 +377,7 @@ def test_round_trip_of_several_rounds_survives_reopen(tmp_path):
             assert np.array_equal(hist.update(1, c0), store.update_share(1, c0))
             assert hist.norm(1, c0).shape == () and hist.delta(1, c0).dtype == np.int64
             assert hist.clients() == tuple(sorted({c for e in want.values() for c in e["parts"]}))
-            assert hist.num_samples(c0) == want[1]["weights"][c0]
+            assert hist.weight(c0) == want[1]["weights"][c0]
             calls = []
             wrapped = ShareHistory(store, wrap=lambda s, precision: calls.append(precision) or ("wrapped", s))
             assert wrapped.update(1, c0)[0] == "wrapped" and calls == [16]
