@@ -125,7 +125,10 @@ class UnlearningSection:
     buffer: int = PAPER.buffer       # L-BFGS buffer size B
     rs_method: str = PAPER.method    # round-selection comparison: auto | ratio | divide
     t_delta: int = 0                 # auto: Method 1 while T < t_delta; 0 = measured (protocols/starfish/data/t_delta.json, LAN)
-    correction_timeout: float = 300.0  # seconds the servers wait for the clients of one correction task
+    # seconds the servers wait for the clients of one correction task; a client missing then is
+    # absent from that step and not waited for again in the run, so a silent participant holds a
+    # job (and FL, paused during it) for at most this long (issue 25: was 300 s, and failed the job)
+    correction_timeout: float = 30.0
     agree_timeout: float = 60.0      # a request that reached only one server fails after this
     session_timeout: float = 300.0   # 2PC session: seconds to wait for the peer/dealer
 

@@ -26,12 +26,16 @@ def apply_corrections(clients: CorrectionClients, round_index: int, model: torch
                       ids: Sequence[int], rest: Sequence[int], stored: Sequence[Any],
                       rows: list[Any]) -> dict[int, Any]:
     """Fetch the exact updates of ``ids`` on ``model``, put them into ``rows`` (in place; ``rest``
-    orders ``stored`` and ``rows``) and return the secants y_j = gbar_j - g_j for the buffers."""
+    orders ``stored`` and ``rows``) and return the secants y_j = gbar_j - g_j for the buffers.
+
+    A client the port left out (no answer in time, or an answer the servers refused) gets no
+    secant and its row stays as it was: its estimate, or None in a warm-up step (the replay then
+    treats it as absent from the round)."""
     wanted = set(ids)
     fresh = clients.exact_updates(round_index, model, list(ids))
     secants = {}
     for r, j in enumerate(rest):
-        if j in wanted:
+        if j in wanted and j in fresh:
             gbar = to_compute(fresh[j])
             secants[j] = gbar - stored[r]
             rows[r] = gbar

@@ -142,6 +142,12 @@ class CorrectionClients(Protocol):
     ``exact_updates`` asks each client in ``client_ids`` for its exact update on the
     public ``model`` (batch order of historical round ``round_index``) and returns them:
     plain tensors in the lab, this party's CrypTen shares on a server.
+
+    The answer may leave clients out: a client that did not answer in time, or whose answer
+    failed the servers' checks, is *absent* from that correction step (``replay.py``: a flagged
+    client keeps its estimate; in a warm-up step it is left out of the round as a client that
+    did not take part, the others' weights renormalised; its buffer is unchanged). Both servers
+    must leave out the same clients (they agree on them before returning).
     """
 
     def exact_updates(self, round_index: int, model: torch.Tensor,

@@ -12,7 +12,11 @@ took part in round t (public; all of them under full participation):
    M_{t-1}) from the clients' L-BFGS pairs) and the schedule then names the clients whose
    estimate it rejects (Starfish: the threshold check; FedRecover: its abnormality test);
 3. ``correction``: those clients' exact updates replace their rows; ``pairs``: their secants
-   are offered to the L-BFGS buffers (kept if they pass the curvature test);
+   are offered to the L-BFGS buffers (kept if they pass the curvature test). A client the port
+   leaves out (no answer in time, an answer refused by the servers' range check) is absent from
+   the step: a flagged client keeps its estimate; in a warm-up step, where it has none, it is
+   left out of the round like a client that did not take part (the others' weights
+   renormalised; nobody left: M_hat carries over). Its buffer is unchanged either way;
 4. ``aggregate``: M_hat <- M_hat - eta sum_j w_j g^j with the stored FedAvg weights of round
    t renormalised over present_t; the aggregate is the only value opened. A history made by
    another rule (the lab's robust aggregators) can be replayed with that rule instead:
@@ -102,6 +106,7 @@ class Replay:
         # plaintext only: the largest |g_hat| seen, beside SecTC's 32-bit domain (docs/protocols.md)
         self.largest_estimate: float | None = None
         self.exact_requests: dict[int, list[int]] = {}
+        self.absent_answers: dict[int, list[int]] = {}   # step -> asked but no accepted answer
         self.last_aggregate: torch.Tensor | None = None
         self.present: list[int] = list(self.rest)
         self.present_rows: list[int] = list(range(len(self.rest)))
@@ -158,8 +163,24 @@ class Replay:
             with self.meter("correction"):
                 secants = apply_corrections(self.clients, t, self.model.to(self.out_dtype), exact_ids,
                                             present, stored, rows)
+            absent = [j for j in exact_ids if j not in secants]
+            if absent:
+                self.absent_answers[self.step] = absent
             with self.meter("pairs"):
-                self.buffers.push_many(list(secants), s, list(secants.values()))
+                if secants:
+                    self.buffers.push_many(list(secants), s, list(secants.values()))
+            if any(row is None for row in rows):
+                # a warm-up step whose client gave no (accepted) answer: no estimate exists, so the
+                # client is absent from this round as under partial participation (weights
+                # renormalised over the others, its buffer unchanged); the ids are public
+                keep = [r for r, row in enumerate(rows) if row is not None]
+                present = [present[r] for r in keep]
+                rows = [rows[r] for r in keep]
+                wsum = sum(w_all[j] for j in present)
+                weights = [w_all[j] / wsum for j in present]
+                if not present:   # nobody answered: M_hat carries over, as for a skipped round
+                    self.synced_round = None
+                    return exact_ids
         with self.meter("aggregate"):
             if self.combine is None:
                 aggregate = reveal(weighted_sum(rows, weights)).to(torch.float64)

@@ -63,6 +63,7 @@ class Stage2Result:
     thresholds_revealed: bool = False
     flags: dict[int, list[int]] = field(default_factory=dict)        # replay step -> flagged ids
     exact_requests: dict[int, list[int]] = field(default_factory=dict)  # replay step -> ids asked
+    absent_answers: dict[int, list[int]] = field(default_factory=dict)  # step -> asked, left out
     warmup_steps: int = 0
     correction_steps: list[int] = field(default_factory=list)
     estimated_updates: int = 0
@@ -75,6 +76,7 @@ class Stage2Result:
             "selected_rounds": self.selected_rounds,
             "flags": {str(k): v for k, v in self.flags.items()},
             "exact_requests": {str(k): v for k, v in self.exact_requests.items()},
+            "absent_answers": {str(k): v for k, v in self.absent_answers.items()},
             "warmup_steps": self.warmup_steps,
             "correction_steps": self.correction_steps,
             "estimated_updates": self.estimated_updates,
@@ -177,6 +179,7 @@ def run_stage2(
     result.estimated_updates = replay.estimated_updates
     result.largest_estimate = replay.largest_estimate
     result.exact_requests = replay.exact_requests
+    result.absent_answers = replay.absent_answers
     result.seconds = time.perf_counter() - t0
     if party is not None:
         result.meters = party.meters()

@@ -15,14 +15,23 @@ server daemon:
    one to each server (``task_result``);
 2. wait until every addressed client uploaded here, or the timeout; every half second check
    that the 2PC session's peers (the other server, the dealer) are still connected, so a dead
-   peer ends the wait in about a second rather than at the timeout;
+   peer ends the wait in about a second rather than at the timeout. A client that already
+   missed a deadline in this run is not waited for again (its answer is used if it is there
+   when the others are done), so a silent participant costs a job one ``correction_timeout``,
+   not one per task;
 3. agree with the other server on the clients that reached *both*: each sends the task id
    and its set over the 2PC session's link (one small exchange, metered);
-4. return this party's shares as CrypTen tensors.
+4. check those answers in 2PC like uploads (``servers.secure.round_checks.check_task_answers``:
+   the coordinate window and a norm bound of ``ANSWER_NORM_FACTOR`` times the client's largest
+   reported norm; one opened bit per answer, the same on both servers);
+5. return this party's shares of the accepted answers as CrypTen tensors.
 
-``run_stage2`` needs an update from every client it asked, so a client that did not reach
-both servers in time fails the job with :class:`CorrectionTimeout` (naming the clients)
-rather than silently changing the algorithm. Tasks live in memory, scoped by the run: a job
+A client that did not reach both servers in time, or whose answer failed the check, is left out
+of the returned dict: Stage II treats it as absent from that correction step
+(``protocols.starfish.replay``) and the job goes on (issue 25: one silent client used to fail
+every other client's unlearning with ``CorrectionTimeout``, and an unchecked answer became the
+client's exact update at full weight). Who was left out, and why, is counted in
+``missed``/``refused`` (the job's result summary). Tasks live in memory, scoped by the run: a job
 interrupted by a crash is re-run from the start (a new attempt), which posts new tasks; a
 task of a dead run is only a public model and some shares of exact updates that no run will
 read, and it is dropped with the run (``TaskBoard.close_job``).
@@ -41,8 +50,13 @@ import numpy as np
 from common import wire
 from net.channel import KIND_OBJECT
 from common.prg import expand
+from protocols.backend import stack
+from protocols.starfish.backend import to_compute
+from protocols.starfish.ports import rounds_of
+from protocols.starfish.threshold_determination import determine_thresholds
 
 from servers.secure.ring_aggregation import model_digest
+from servers.secure.round_checks import ANSWER_NORM_FACTOR, check_task_answers
 
 __all__ = ["Task", "TaskBoard", "ServiceCorrectionClients", "CorrectionTimeout", "LockstepError",
            "PeerGone"]
@@ -120,15 +134,17 @@ class TaskBoard:
             return True
 
     def wait(self, task_id: str, timeout: float, stop: threading.Event | None = None,
-             alive: Callable[[], bool] | None = None) -> set[int]:
-        """Block until every addressed client answered or ``timeout``; return who answered.
+             alive: Callable[[], bool] | None = None, skip: frozenset[int] = frozenset()) -> set[int]:
+        """Block until every addressed client not in ``skip`` answered, or ``timeout``; return
+        who answered (``skip``'s answers included, if they came).
 
         ``alive`` is polled every half second; once it returns False, :class:`PeerGone`.
         """
         deadline = time.monotonic() + timeout
         with self._cond:
             t = self._tasks[task_id]
-            while len(t.results) < len(t.clients):
+            awaited = set(t.clients) - set(skip)
+            while not awaited <= set(t.results):
                 left = deadline - time.monotonic()
                 if left <= 0 or (stop is not None and stop.is_set()):
                     break
@@ -166,7 +182,7 @@ class ServiceCorrectionClients:
 
     def __init__(self, board: TaskBoard, party: Any, job: str, *, timeout: float, dim: int,
                  precision: int, attempt: int = 1, stop: threading.Event | None = None,
-                 max_bytes: int = 1 << 20) -> None:
+                 max_bytes: int = 1 << 20, history: Any = None) -> None:
         self.board = board
         self.party = party
         self.job = job
@@ -178,6 +194,12 @@ class ServiceCorrectionClients:
         self.max_bytes = max_bytes
         self.calls = 0
         self.requested: dict[int, int] = {}   # client -> exact updates asked (the paper's T_r)
+        self.history = history                # this party's shares: the clients' reported norms
+        self._norm_caps: dict[int, Any] = {}  # client -> share of its largest reported norm
+        self.late: set[int] = set()           # clients that missed a deadline in this run
+        self.missed: dict[int, int] = {}      # client -> tasks it did not answer at both in time
+        self.refused: dict[int, int] = {}     # client -> answers that failed the range check
+        self.wait_seconds = 0.0               # time spent waiting for answers in this run
 
     def _agree(self, task_id: str, mine: set[int]) -> set[int]:
         """Exchange (task id, answered set) with the other server over the session link."""
@@ -188,6 +210,25 @@ class ServiceCorrectionClients:
             raise LockstepError(f"the other server is at task {other.get('task')!r}, we are at {task_id}")
         return mine & {int(c) for c in other["clients"] if isinstance(c, int) and not isinstance(c, bool)}
 
+    def _norm_bounds(self, ids: list[int]) -> Any:
+        """Shares of ANSWER_NORM_FACTOR x max_t ||g_t^j|| over client j's rounds, one per id.
+
+        The max is a batched SecMax over the client's reported norms (range-checked when they
+        were uploaded, so < 2**14), computed once per client and run; the factor is applied on
+        the ring (an integer multiple of a share is a share of the multiple).
+        """
+        todo = [j for j in ids if j not in self._norm_caps]
+        if todo:
+            rows = [[to_compute(self.history.norm(i, j)) for i in rounds_of(self.history, j)]
+                    for j in todo]
+            width = max(len(r) for r in rows)
+            padded = [r + [r[0]] * (width - len(r)) for r in rows]   # the max does not change
+            caps = determine_thresholds(stack([stack(r) for r in padded]))
+            for k, j in enumerate(todo):
+                self._norm_caps[j] = caps[k]
+        ring = np.stack([self._norm_caps[j].share.reshape(()).numpy() for j in ids]) * ANSWER_NORM_FACTOR
+        return self.party.wrap_share(ring, precision=self.precision)
+
     def exact_updates(self, round_index: int, model: Any, client_ids: list[int]) -> dict[int, Any]:
         self.calls += 1
         task_id = f"{self.job}/{self.attempt}/{self.calls}"
@@ -196,20 +237,29 @@ class ServiceCorrectionClients:
         self.board.post(task_id, self.job, round_index, model_np, ids)
         try:
             alive = getattr(self.party, "peer_alive", None)
-            mine = self.board.wait(task_id, self.timeout, self.stop, alive)
-            both = self._agree(task_id, mine)
-            missing = sorted(set(ids) - both)
-            if missing:
-                raise CorrectionTimeout(
-                    f"task {task_id} (round {round_index}): clients {missing} did not upload their "
-                    f"exact update to both servers within {self.timeout:.0f}s")
-            shares = {j: self.board.share(task_id, j) for j in ids}
+            t0 = time.monotonic()
+            mine = self.board.wait(task_id, self.timeout, self.stop, alive, frozenset(self.late))
+            self.wait_seconds += time.monotonic() - t0
+            both = self._agree(task_id, mine)   # the same set on both servers
+            shares = {j: self.board.share(task_id, j) for j in sorted(both)}
         finally:
             self.board.close(task_id)
         for j in ids:
             self.requested[j] = self.requested.get(j, 0) + 1
+            if j not in both:   # absent from this step (the replay's rule); not waited for again
+                self.missed[j] = self.missed.get(j, 0) + 1
+                self.late.add(j)
+        if not shares:
+            return {}
+        got = sorted(shares)
+        wrapped = [self.party.wrap_share(expand(shares[j], (self.dim,)) if isinstance(shares[j], bytes)
+                                         else shares[j], precision=self.precision) for j in got]
+        bounds = self._norm_bounds(got) if self.history is not None else None
+        bits = check_task_answers(stack(wrapped), bounds, self.precision)
         out = {}
-        for j, s in shares.items():
-            arr = expand(s, (self.dim,)) if isinstance(s, bytes) else s
-            out[j] = self.party.wrap_share(arr, precision=self.precision)
+        for j, w, ok in zip(got, wrapped, bits):
+            if ok:
+                out[j] = w
+            else:
+                self.refused[j] = self.refused.get(j, 0) + 1
         return out

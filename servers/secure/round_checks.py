@@ -26,7 +26,13 @@ from protocols.upload_range import uploads_in_range
 
 from servers.store.share_store import ShareStore
 
-__all__ = ["check_round_uploads", "open_round_session"]
+__all__ = ["check_round_uploads", "open_round_session", "check_task_answers", "ANSWER_NORM_FACTOR"]
+
+#: An exact update a client sends for a correction task may have a norm of at most this many
+#: times the largest norm the client reported for its own rounds (docs/service.md, "Correction
+#: answers"): an honest update on the recovered model is of the size of the client's updates in
+#: FL; the factor leaves room for M_hat being less trained than M_(t-1).
+ANSWER_NORM_FACTOR = 2
 
 
 def _digest(parts: Sequence[int]) -> str:
@@ -70,3 +76,19 @@ def check_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, round_
     finally:
         party.close()
     return [j for j, ok in zip(parts, bits) if ok]
+
+
+def check_task_answers(answers: Any, norm_bounds: Any, precision: int) -> list[bool]:
+    """One bit per correction-task answer, inside the job's running 2PC session (same on both
+    servers): every coordinate in the upload window (|g| < 1024) and ||g|| at most
+    ``norm_bounds`` (1 + 2**-10) + 16 units, by the range check of uploads
+    (``protocols.upload_range.uploads_in_range``) with the bound in place of a reported norm.
+
+    ``answers``: (n, d) shares; ``norm_bounds``: (n,) shares, or None for the window test only.
+    Why before Stage II reads them: an answer becomes the client's exact update at full weight
+    (issue 25: 512 per coordinate moved the adopted model's largest weight from 1.59 to 222.6;
+    2**62 crashed both servers). Not metered on its own (``party=None``): its bytes count in the
+    job's ``correction`` step.
+    """
+    return uploads_in_range(None, answers, norm_bounds, None, consistency=norm_bounds is not None,
+                            precision=precision)

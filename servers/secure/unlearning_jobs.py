@@ -136,7 +136,7 @@ def run_job(*, rank: int, cfg: ServiceConfig, store: ShareStore, board: TaskBoar
         history = ShareHistory(store, wrap=party.wrap_share, rounds=rounds)
         clients = ServiceCorrectionClients(board, party, job_id, timeout=cfg.unlearning.correction_timeout,
                                            dim=store.dim, precision=store.precision, attempt=attempt,
-                                           stop=stop)
+                                           stop=stop, history=history)
 
         def on_step(done: int, total: int, info: str) -> None:
             if progress is not None:
@@ -162,6 +162,11 @@ def run_job(*, rank: int, cfg: ServiceConfig, store: ShareStore, board: TaskBoar
         "model_sha256": digest, "wall_seconds": time.perf_counter() - t0,
         "client_exact_updates": {str(k): v for k, v in sorted(clients.requested.items())},
         "replay_rules": {str(t): name for t, name in combine.applied},
+        # clients left out of correction steps (absent, the job went on): no answer at both
+        # servers in time, or an answer refused by the range check (correction_tasks)
+        "client_missed_answers": {str(k): v for k, v in sorted(clients.missed.items())},
+        "client_refused_answers": {str(k): v for k, v in sorted(clients.refused.items())},
+        "correction_wait_seconds": clients.wait_seconds,
         "meters": meters,
     }
     return write_result(results_dir, job_id, model, summary), digest
