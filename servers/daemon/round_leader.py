@@ -142,6 +142,7 @@ class RoundLeader(RoundCoordinator):
         late = time.monotonic() >= self._round_opened + self.cfg.fl.round_deadline
         expected = self.expected_clients() - len(refused)
         if len(common) >= expected or (late and len(common) >= self.cfg.fl.min_clients):
+            common = self._first_staged(r, common, expected)
             if self.cfg.fl.range_check:
                 passed = self._range_check(r, common)
                 if passed != common:
@@ -160,6 +161,25 @@ class RoundLeader(RoundCoordinator):
                         self.cfg.fl.round_deadline)
             self._round_opened = time.monotonic()
         return False
+
+    def _first_staged(self, r: int, common: list[int], expected: int) -> list[int]:
+        """At most ``expected`` of ``common``: the earliest staged here (ties: lower id).
+
+        Why (issue 25, finding 4): each |D_j| is capped at max_total_samples / clients_expected,
+        so only a round of at most ``clients_expected`` uploads keeps N = sum |D_j| inside the
+        ring's range; with more, server 1 refused every close. The choice is the leader's (its
+        staging times are durable, so a restarted leader makes it again) and server 1 checks only
+        membership. The others' uploads are dropped at the commit, like any upload outside the
+        round; the client sees it is not in ``round_info``'s participants and trains the next round.
+        """
+        if len(common) <= expected:
+            return common
+        at = {u["client"]: u["staged_at"] for u in self.store.staged_summary(r)}
+        keep = sorted(sorted(common, key=lambda j: (at.get(j, float("inf")), j))[:expected])
+        log.warning("round %d: %d clients at both servers, more than the %d expected; closing with "
+                    "the first staged %s, the uploads of %s are dropped", r, len(common), expected,
+                    keep, sorted(set(common) - set(keep)))
+        return keep
 
     def _range_check(self, r: int, parts: list[int]) -> list[int]:
         """Both servers check these uploads in 2PC (``servers.secure.round_checks``); the refused
