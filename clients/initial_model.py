@@ -17,7 +17,7 @@ from common.service_config import ConfigError, ModelSection
 
 from .models import build_model, default_model_name, flatten_params
 
-__all__ = ["INPUT_SHAPES", "initial_model", "architecture_of"]
+__all__ = ["INPUT_SHAPES", "initial_model", "architecture_of", "model_layout"]
 
 INPUT_SHAPES = {"digits": (1, 8, 8), "mnist": (1, 28, 28), "fmnist": (1, 28, 28),
                 "cifar10": (3, 32, 32)}
@@ -35,3 +35,14 @@ def initial_model(section: ModelSection) -> np.ndarray:
                           l2=section.l2)
     torch.manual_seed(section.seed)
     return flatten_params(factory()).to(torch.float64).numpy().copy()
+
+
+def model_layout(section: ModelSection) -> dict:
+    """The model as a client must know it to train: architecture, input shape, classes and
+    the parameter layout of the flat vector (name and shape of each tensor, in order; each
+    flattened in C order). The servers publish it in ``state`` (docs/protocol.md)."""
+    arch = architecture_of(section)
+    model = build_model(arch, INPUT_SHAPES[section.dataset], 10, l2=section.l2)()
+    return {"dataset": section.dataset, "architecture": arch,
+            "input_shape": list(INPUT_SHAPES[section.dataset]), "classes": 10, "l2": section.l2,
+            "layout": [{"name": n, "shape": list(p.shape)} for n, p in model.named_parameters()]}

@@ -104,14 +104,14 @@ def cmd_server(args: argparse.Namespace) -> int:
     _logging(args.log_level)
     import torch
 
-    from clients.initial_model import initial_model
+    from clients.initial_model import initial_model, model_layout
     from net.listening import ListenError
     from servers.daemon.server_daemon import ServerDaemon, StartupError, install_crash_points
 
     torch.set_num_threads(1)
     install_crash_points(os.environ.get("STARFISH_CRASH_AT"))
     try:
-        daemon = ServerDaemon(cfg, args.party, initial_model(cfg.model))
+        daemon = ServerDaemon(cfg, args.party, initial_model(cfg.model), model_layout(cfg.model))
     except (StartupError, ListenError, tls.KeyDirError, FileNotFoundError, ConfigError) as exc:
         return _fail("server", exc)
     except Exception as exc:  # noqa: BLE001 - anything else still gets one line, not a traceback

@@ -81,10 +81,12 @@ class ClientAPI:
     def __init__(self, cfg: ServiceConfig, party: int, listener: socket.socket, ctx: ssl.SSLContext,
                  *, store: ShareStore, state: ServiceState, board: TaskBoard,
                  rounds: RoundCoordinator, jobs: JobScheduler, stop: threading.Event,
-                 health: Callable[[], dict] | None = None) -> None:
-        """``health``: what ``status`` adds about the daemon (what it waits for, clients left out)."""
+                 health: Callable[[], dict] | None = None, published: dict | None = None) -> None:
+        """``health``: what ``status`` adds about the daemon (what it waits for, clients left out);
+        ``published``: what ``state`` adds for clients (alpha, the model's layout)."""
         self.cfg = cfg
         self._health = health or dict
+        self._published = dict(published or {})
         self.party = party
         self.max_bytes = cfg.limits.max_message_bytes
         self.store = store
@@ -232,7 +234,8 @@ class ClientAPI:
                 "training": open_round is not None, "paused": self.jobs.pending(),
                 "dim": self.store.dim, "precision": self.store.precision,
                 "server_lr": self.store.server_lr, "busy_job": self.jobs.running,
-                "forgotten": cid is not None and self.store.is_forgotten(cid)}
+                "forgotten": cid is not None and self.store.is_forgotten(cid),
+                "max_num_samples": self.max_num_samples(), **self._published}
 
     def _op_get_model(self, who: str, f: dict) -> dict:
         T = self.store.num_rounds

@@ -97,9 +97,12 @@ class _WatchedPeer(PeerClient):
 class ServerDaemon:
     """One server process; ``serve_forever()`` until ``stop()`` (or SIGTERM in the CLI)."""
 
-    def __init__(self, cfg: ServiceConfig, party: int, initial_model: np.ndarray) -> None:
+    def __init__(self, cfg: ServiceConfig, party: int, initial_model: np.ndarray,
+                 model_info: dict | None = None) -> None:
         """``initial_model``: M_0 as drawn from ``cfg.model`` (``clients.initial_model``); a
-        restarted server must pass the same one (its store refuses another)."""
+        restarted server must pass the same one (its store refuses another). ``model_info``:
+        the model's architecture and parameter layout (``clients.initial_model.model_layout``),
+        published in ``state`` so that a client needs no copy of the config to train."""
         self.cfg = cfg
         self.party = party
         self.name = tls.PARTY_NAMES[party]
@@ -139,7 +142,7 @@ class ServerDaemon:
         self.jobs.requeue_interrupted()
         self.api = ClientAPI(cfg, party, self._api_listener, api_ctx, store=self.store, state=self.state,
                              board=self.board, rounds=self.rounds, jobs=self.jobs, stop=self.stop_event,
-                             health=self.health)
+                             health=self.health, published=self._published(model_info))
         log.info("%s: history with %d committed rounds, %d staged uploads for round %d",
                  self.name, self.store.num_rounds, len(self.store.staged(self.store.num_rounds + 1)),
                  self.store.num_rounds + 1)
@@ -153,6 +156,15 @@ class ServerDaemon:
                 f"{self.name}: {exc} ([{self.name}] {key} = {port} in {self.cfg.path}); stop the "
                 f"process that holds it (`ss -ltnp 'sport = :{port}'` names it) or choose another "
                 f"port in the config") from None
+
+    def _published(self, model_info: dict | None) -> dict:
+        """What ``state`` adds for clients: the parameters of their upload (docs/protocol.md)."""
+        out: dict = {"alpha": self.cfg.unlearning.alpha, "aggregator": self.cfg.fl.aggregator}
+        if self.cfg.fl.aggregator == "fedseca":
+            out["fedseca_gamma"] = self.cfg.fl.fedseca_gamma
+        if model_info is not None:
+            out["model"] = model_info
+        return out
 
     # ------------------------------------------------------------------ what it waits for
     def _needs_dealer(self) -> bool:
