@@ -131,7 +131,7 @@ def test_secure_stage2_equals_the_plaintext_twin_end_to_end():
     from protocols.starfish import StarfishParams, run_stage2
 
     args = _lab_args()
-    setup = lab_setup.build_setup(args)
+    setup = experiment.build_setup(args)
     hist = run_federated(setup.participants, setup.m0, args.rounds, setup.cfg.get("lr"))
     params = StarfishParams(sigma=0.6, beta=0.2, buffer=2)
     pool = ClientPool(setup.participants, remaining_clients(hist, setup.targets))
@@ -177,7 +177,7 @@ def test_two_targets_with_division_select_the_plaintext_rounds():
     from lab.recovery.base import ClientPool, PoolClients
 
     args = _lab_args(clients=8, rounds=15, targets="0,3")
-    setup = lab_setup.build_setup(args)
+    setup = experiment.build_setup(args)
     hist = run_federated(setup.participants, setup.m0, args.rounds, setup.cfg.get("lr"))
     params = StarfishParams(method="divide")
     pool = ClientPool(setup.participants, remaining_clients(hist, setup.targets))

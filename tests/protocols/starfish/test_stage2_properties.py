@@ -132,7 +132,7 @@ def _run(cfg: Config) -> dict:
     parser = argparse.ArgumentParser()
     lab.add_arguments(parser)
     args = parser.parse_args(cfg.lab_argv())
-    setup = lab_setup.build_setup(args)
+    setup = experiment.build_setup(args)
     history = run_federated(setup.participants, setup.m0, args.rounds, setup.cfg.get("lr"))
     params = _params(cfg)
     pool = ClientPool(setup.participants, remaining_clients(history, setup.targets))
