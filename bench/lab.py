@@ -71,7 +71,8 @@ EXIT_DISAGREE = 1
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``starfish lab`` (the CLI wires this into its sub-command)."""
     g = parser.add_argument_group("data and federation")
-    g.add_argument("--dataset", choices=DATASET_NAMES, default="digits")
+    g.add_argument("--dataset", choices=DATASET_NAMES, default="digits",
+                   help="the data set (digits, embedded; the others read --data-dir)")
     g.add_argument("--data-dir", help="directory with the dataset files (not for digits)")
     g.add_argument("--clients", type=int, default=20, help="number of FL clients (20)")
     g.add_argument("--rounds", type=int, default=40, help="FL rounds T (40)")
@@ -83,12 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--image-size", type=int,
                    help="resize images to this side (bilinear); default: 28 for the CNNs on "
                         "images smaller than 28 (the digits), else the native size")
-    g.add_argument("--partition", choices=("iid", "dirichlet", "label-bias"), default="iid")
+    g.add_argument("--partition", choices=("iid", "dirichlet", "label-bias"), default="iid",
+                   help="how the training data is split among the clients (iid)")
     g.add_argument("--q", type=float, default=0.5, help="label-bias probability (0.5)")
     g.add_argument("--concentration", type=float, default=0.5, help="Dirichlet parameter")
     g.add_argument("--train-limit", type=int, help="use only this many training samples")
     g.add_argument("--test-limit", type=int, help="use only this many test samples")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the data split, M_0 and batch orders (0)")
     a = parser.add_argument_group("target and backdoor")
     a.add_argument("--targets", default="0", help="comma-separated client ids to unlearn (0)")
     a.add_argument("--no-backdoor", action="store_true", help="targets train honestly")

@@ -38,7 +38,7 @@ from mpc.crypten_compat import crypten
 from protocols import backend as B
 from protocols.robust_aggregation import (brace_sign, check_thresholds, fedseca, quantile_thresholds)
 
-from . import offline, profiles
+from . import offline, profiles, progress
 from .report import human_bytes, machine_info, markdown_table, write_json
 
 AGGREGATORS = ("fedseca", "brace-sign")
@@ -127,21 +127,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=20, help="K, clients per round (default 20)")
     p.add_argument("--dim", type=int, default=582026, help="D, coordinates per update (default 582,026: "
                                                              "the paper's MNIST CNN)")
-    p.add_argument("--aggregator", choices=AGGREGATORS, default="fedseca")
+    p.add_argument("--aggregator", choices=AGGREGATORS, default="fedseca",
+                   help="the rule measured: fedseca (default; CRISE + RoCA) or brace-sign (BRACE's sign vote)")
     p.add_argument("--gamma", type=float, default=0.9, help="FedSECA sparsification factor (default 0.9)")
     p.add_argument("--lam", type=float, default=5.0, help="BRACE threshold lambda (default 5, its paper's)")
     p.add_argument("--check-thresholds", action="store_true",
                    help="FedSECA: also run the servers' check of the clients' lambda_k (step 'check')")
-    p.add_argument("--profile", default="none", choices=["none", "lan", "wan"],
-                   help="none = loopback (default); lan = 0.17 ms RTT, 1 Gbit/s; wan = 72 ms RTT, 100 Mbit/s "
+    # the same default as every other benchmark (issue 27): lan
+    p.add_argument("--profile", default="lan", choices=["lan", "wan", "none"],
+                   help="lan = 0.17 ms RTT, 1 Gbit/s (default); wan = 72 ms RTT, 100 Mbit/s; none = loopback "
                         "(emulated by the transport on the server and dealer links)")
+    p.add_argument("--offline", choices=("dealer", "two-party"), default="dealer",
+                   help="dealer (a third process makes the correlated randomness; default) or two-party "
+                        "(no dealer: the servers make it between themselves, mpc/spu_engine.py)")
     p.add_argument("--runs", choices=("one", "three"), default="one",
                    help="one: material fetched inside each step (default); three: record, compute, link runs "
                         "with per-step prefetch (bench.offline.run_three)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic updates (0)")
     p.add_argument("--no-check", action="store_true", help="skip the comparison with the plaintext twin")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a party waits for its peer")
     p.add_argument("--out", default=None, help="JSON output (default out/robust-aggregation-<agg>-<K>x<D>-<profile>.json)")
+    progress.add_quiet_argument(p)
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -161,11 +167,12 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     compute = None
     if args.runs == "one":
         kw = {"link": link, "dealer_link": link} if link is not None else {}
-        res = run_parties(_program, spec, None, timeout=args.timeout, **kw)
+        res = run_parties(_program, spec, None, timeout=args.timeout, offline=args.offline, **kw)
         meters, values = res.meters, res.values
     else:
         runs = offline.run_three(_program, (spec,), link=link, timeout=args.timeout,
-                                 label=f"{args.aggregator} {args.clients}x{args.dim}")
+                                 label=f"{args.aggregator} {args.clients}x{args.dim}",
+                                 offline=args.offline, quiet=args.quiet)
         compute = offline.summarize_steps(runs.compute.meters)
         final = runs.link if runs.link is not None else runs.compute
         meters, values = final.meters, final.values

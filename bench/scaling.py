@@ -43,6 +43,17 @@ def _ints(text: str) -> list[int]:
     return [int(float(x)) for x in text.split(",") if x.strip()]
 
 
+def _count(text: str) -> int:
+    """A positive count written as an integer or in e-notation (1e3)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text!r}")
+    return int(value)
+
+
 def grid(clients: list[int], params: list[int], rounds: list[int], base: dict) -> list[tuple[str, SyntheticConfig]]:
     """(axis, config) points: each axis varies one variable around ``base``."""
     pts = []
@@ -177,11 +188,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model-size axis (default 1e4,1e5,582026; at --small-clients clients)")
     p.add_argument("--rounds", default=",".join(map(str, DEFAULT_ROUNDS)),
                    help="rounds axis (default 10,20,40,80; at --small-clients clients, --small-params parameters)")
-    p.add_argument("--base-params", type=int, default=100_000, help="model size of the clients axis (default 1e5)")
-    p.add_argument("--base-rounds", type=int, default=10, help="T of the clients and model axes (default 10)")
-    p.add_argument("--small-clients", type=int, default=5, help="clients of the model and T axes (default 5)")
-    p.add_argument("--small-params", type=int, default=10_000, help="model size of the T axis (default 1e4)")
-    p.add_argument("--profiles", default="lan,wan",
+    # counts as the axes take them: 1e3 is accepted wherever --params accepts it
+    p.add_argument("--base-params", type=_count, default=100_000, help="model size of the clients axis (default 1e5)")
+    p.add_argument("--base-rounds", type=_count, default=10, help="T of the clients and model axes (default 10)")
+    p.add_argument("--small-clients", type=_count, default=5, help="clients of the model and T axes (default 5)")
+    p.add_argument("--small-params", type=_count, default=10_000, help="model size of the T axis (default 1e4)")
+    p.add_argument("--profiles", "--profile", dest="profiles", default="lan,wan",
                    help="link profiles measured at every point after the loopback run (default lan,wan; "
                         "'none' = loopback only)")
     offline.add_cache_arguments(p)

@@ -126,7 +126,8 @@ def test_instrumented_party_reports_top_level_steps_only():
 
 # ------------------------------------------------------------------ every long command takes --quiet
 COMMANDS = [["lab"], ["demo"]] + [["bench", b] for b in (
-    "runtime", "primitives", "rs-switch", "steps", "unlearning", "truncation", "range-check", "scaling")]
+    "runtime", "primitives", "rs-switch", "steps", "unlearning", "truncation", "range-check", "scaling",
+    "aggregation")]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)

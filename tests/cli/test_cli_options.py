@@ -1,0 +1,60 @@
+"""The command line's options: each documented, the benchmarks alike, counts in e-notation,
+init-deployment's --offline (issue 27, item 7)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from common.service_config import load_config
+from starfish.cli import build_parser, main
+
+
+def _commands(parser: argparse.ArgumentParser, path=()):
+    yield path, parser
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                yield from _commands(sub, path + (name,))
+
+
+PARSER = build_parser()
+BENCHES = {path[1]: p for path, p in _commands(PARSER) if len(path) == 2 and path[0] == "bench"}
+
+
+def _options(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {o: a for a in p._actions for o in a.option_strings}
+
+
+def test_every_option_and_positional_has_help():
+    missing = [f"starfish {' '.join(path)} {a.option_strings or a.dest}"
+               for path, p in _commands(PARSER) for a in p._actions
+               if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and not a.help]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("name", sorted(BENCHES))
+def test_benchmarks_share_quiet_and_where_linked_lan_and_offline(name):
+    opts = _options(BENCHES[name])
+    assert "--quiet" in opts
+    if "--profile" in opts:
+        assert "lan" in str(opts["--profile"].default).split(","), opts["--profile"].default
+        assert opts["--offline"].default == "dealer" and set(opts["--offline"].choices) == {"dealer", "two-party"}
+
+
+def test_scaling_takes_counts_in_e_notation_and_the_profile_spelling():
+    args = PARSER.parse_args(["bench", "scaling", "--base-params", "1e3", "--small-params", "2e4",
+                              "--profile", "none"])
+    assert (args.base_params, args.small_params, args.profiles) == (1000, 20000, "none")
+    with pytest.raises(SystemExit):
+        PARSER.parse_args(["bench", "scaling", "--base-params", "1.5"])
+
+
+def test_init_deployment_offline_two_party(tmp_path, capsys):
+    assert main(["init-deployment", str(tmp_path / "d"), "--clients", "2", "--offline", "two-party"]) == 0
+    assert load_config(tmp_path / "d" / "config.toml").offline == "two-party"
+    out = capsys.readouterr().out
+    assert "starfish dealer" not in out and "offline = \"two-party\"" in out
+    assert main(["init-deployment", str(tmp_path / "d")]) == 2      # refuses an existing deployment
+    assert "refusing" in capsys.readouterr().err
