@@ -189,6 +189,18 @@ def test_6_status_counts_rounds_names_a_missing_job_and_prints_json(servers):
     assert isinstance(rid, str) and len(bytes.fromhex(rid)) == 16
 
 
+def test_admin_staged_lists_and_drop_staged_withdraws(servers):
+    proc = run(["admin", "staged", "--config", servers.config_path])
+    assert proc.returncode == 0, proc.stderr
+    assert "server0: round 1: 3 uploads staged" in proc.stdout, proc.stdout
+    assert "client 0, staged_at" in proc.stdout and "num_samples 10" in proc.stdout
+    proc = run(["admin", "drop-staged", "2", "--config", servers.config_path])
+    assert proc.returncode == 0, proc.stderr
+    assert "server0: round 1, dropped [2]" in proc.stdout and "server1: round 1, dropped [2]" in proc.stdout
+    proc = run(["admin", "drop-staged", "--config", servers.config_path])
+    assert proc.returncode == 2 and "needs a target: the client id" in one_line(proc.stderr)
+
+
 # ------------------------------------------------------------------ 5. a clean stop (last: it stops server 0)
 def test_5_sigint_stops_a_server_quickly_and_nothing_is_logged_after_it_stopped(servers):
     proc = servers.procs.procs["server0"]
