@@ -15,6 +15,11 @@ Party processes of ``run_parties`` do the work while the parent only waits, so p
 its own bar: the parent decides with :func:`party_args` (it knows ``--quiet``), the result goes
 to ``run_parties(party_args=...)``. Party 1 never draws: two processes redrawing one terminal
 line would garble it.
+
+Work inside one step of a bar (the clients of one FL round, which on real data take minutes):
+:func:`within` draws a second bar under it that starts again with every call (local steps done
+of all the round's clients, how many clients have finished, the time left in the round). It
+appears only when a call lasts long enough to need it (``delay``), so fast runs keep one line.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from typing import IO
 
 from tqdm import tqdm
 
-__all__ = ["shown", "progress", "callback", "step_hook", "say", "PartyBar", "party_args", "add_quiet_argument"]
+__all__ = ["shown", "progress", "callback", "within", "step_hook", "say", "PartyBar", "party_args",
+           "add_quiet_argument"]
 
 
 class _Bar(tqdm):
@@ -59,14 +65,14 @@ def shown(quiet: bool = False, stream: IO[str] | None = None) -> bool:
 
 @contextlib.contextmanager
 def progress(total: int | None, desc: str, *, quiet: bool = False, unit: str = "step",
-             stream: IO[str] | None = None, leave: bool = True) -> Iterator[tqdm]:
+             stream: IO[str] | None = None, leave: bool = True, delay: float = 0.0) -> Iterator[tqdm]:
     """A bar of ``total`` steps (None: unknown until a :func:`callback` sets it) on stderr.
 
     Yields the ``tqdm`` bar (``update(n)``, ``set_postfix_str(s)``, ``total``); closed on exit,
     also when the body raises, so a failed run does not leave a half-drawn line behind.
     """
     stream = sys.stderr if stream is None else stream
-    bar = _Bar(total=total, desc=desc, unit=unit, file=stream, leave=leave,
+    bar = _Bar(total=total, desc=desc, unit=unit, file=stream, leave=leave, delay=delay,
                disable=not shown(quiet, stream), dynamic_ncols=True)
     try:
         yield bar
@@ -85,6 +91,26 @@ def callback(bar: tqdm) -> Callable[..., None]:
         bar.update(done - bar.n)
 
     return report
+
+
+@contextlib.contextmanager
+def within(desc: str, *, quiet: bool = False, unit: str = "step", delay: float = 2.0,
+           stream: IO[str] | None = None) -> Iterator[Callable[..., None]]:
+    """A ``progress(done, total, info)`` callback drawing a transient second bar for the work
+    inside one step of the current bar; a call whose ``done`` goes back (a new round's
+    training) restarts it, so its rate and time left are the current round's. Open it inside
+    the outer bar's ``with`` so it is drawn under it; it is drawn only after ``delay`` seconds."""
+    with progress(None, desc, quiet=quiet, unit=unit, stream=stream, leave=False,
+                  delay=delay) as bar:
+
+        def report(done: int, total: int, info: str = "") -> None:
+            if done < bar.n or bar.total != total:
+                bar.reset(total=total)
+            if info:
+                bar.set_postfix_str(info, refresh=False)
+            bar.update(done - bar.n)
+
+        yield report
 
 
 def step_hook(bar: tqdm, count: bool = True) -> Callable[[str, bool], None]:

@@ -62,17 +62,23 @@ def split_history(history: History) -> tuple[list[dict], list[dict]]:
 class SimulatedShareClients:
     """CorrectionClients for the harness: train in the clear, hand this party its share."""
 
-    def __init__(self, party, participants: list, key: bytes):
+    def __init__(self, party, participants: list, key: bytes, trainer: Any = None):
         self._party = party
         self._by_id = {p.client_id: p for p in participants}
         self._key = key
+        self._trainer = trainer    # the lab's ClientTrainer: a correction's clients trained together
         self._requests = 0
         self.computations: dict[int, int] = {}
 
     def exact_updates(self, round_index: int, model: torch.Tensor, client_ids: list[int]) -> dict[int, Any]:
+        asked = [self._by_id[j] for j in client_ids]
+        if self._trainer is not None:
+            ups = self._trainer.train(asked, model, round_index)
+        else:
+            ups = {p.client_id: p.train(model, round_index) for p in asked}
         out = {}
-        for j in client_ids:
-            g = self._by_id[j].train(model, round_index).update
+        for j in client_ids:     # shares drawn in the request order, the same in both parties
+            g = ups[j].update
             ring = encoding.encode(torch.as_tensor(g).double().numpy())
             share0 = Prg(self._key, self._requests).ring(ring.shape)
             self._requests += 1
@@ -87,7 +93,8 @@ def _server(party, lab_args: dict, targets: list[int], params: StarfishParams, s
             bar: progress.PartyBar | None = None) -> dict:
     """One server: store its shares durably, then run Stage II on them under 2PC."""
     torch.set_num_threads(1)
-    setup = build_setup(argparse.Namespace(**lab_args))
+    # the 2PC path never changes device: the simulated clients train on the CPU here
+    setup = build_setup(argparse.Namespace(**{**lab_args, "device": "cpu"}))
     root = Path(store_root) / f"server{party.rank}"
     with party.meter("load"):
         store = ShareStore(root, party=party.rank, initial_model=m0, server_lr=server_lr)
@@ -95,7 +102,7 @@ def _server(party, lab_args: dict, targets: list[int], params: StarfishParams, s
             store.append_round(i, rnd["model"], rnd["participants"], rnd["weights"],
                                {j: ClientShares(*v) for j, v in rnd["shares"].items()})
         history = ShareHistory(store, wrap=party.wrap_share)
-    clients = SimulatedShareClients(party, setup.participants, client_key)
+    clients = SimulatedShareClients(party, setup.participants, client_key, setup.trainer)
     with (bar or progress.PartyBar("starfish (2PC)")).open(unit="round") as shown:
         res = run_stage2(party, history, targets, params, clients, progress=progress.callback(shown))
     store.close()

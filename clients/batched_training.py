@@ -80,7 +80,8 @@ class _Job:
     core: LocalClient | None          # None: not batchable, trained by its own ``train``
     wrappers: list[AttackedClient]    # outermost first
     start: torch.Tensor
-    epochs: float
+    epochs: float                     # what the client will run
+    asked: float | None               # what the caller asked for (None: the client's own)
 
 
 def _unwrap(p: Any) -> tuple[LocalClient | None, list[AttackedClient]]:
@@ -113,29 +114,35 @@ class ClientTrainer:
     one gather), and one model template per architecture.
     """
 
-    def __init__(self, mode: str = "auto", cache_entries: int = 4) -> None:
+    def __init__(self, mode: str = "auto", cache_entries: int = 4,
+                 progress: ProgressFn | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
+        #: progress of every call that names none (the lab points it at its in-round bar)
+        self.progress = progress
         self._data: OrderedDict[tuple, tuple[Any, torch.Tensor, torch.Tensor, dict[int, int]]] = OrderedDict()
         self._templates: dict[tuple, nn.Module] = {}
         self._cache_entries = cache_entries
 
     # ------------------------------------------------------------------ public
     def train(self, participants: Sequence[Any], model_vec: torch.Tensor | Mapping[int, torch.Tensor],
-              round_idx: int, epochs: float | None = None, *,
+              round_idx: int, epochs: float | Mapping[int, float] | None = None, *,
               progress: ProgressFn | None = None) -> dict[int, ClientUpdate]:
         """``{p.client_id: p.train(start, round_idx, epochs)}``, batched where the math allows.
 
-        ``model_vec``: the model every participant starts from, or one per client id.
+        ``model_vec``: the model every participant starts from, or one per client id;
+        ``epochs``: None (each client's own), one value, or one per client id.
         """
+        progress = progress if progress is not None else self.progress
         jobs = []
         for p in participants:
             core, wrappers = _unwrap(p) if self.mode != "sequential" else (None, [])
             start = model_vec[p.client_id] if isinstance(model_vec, Mapping) else model_vec
-            e = epochs if epochs is not None else (core.epochs if core is not None
-                                                   else getattr(p, "epochs", 1.0))
-            jobs.append(_Job(p, core, wrappers, start, float(e)))
+            asked = epochs.get(p.client_id) if isinstance(epochs, Mapping) else epochs
+            e = asked if asked is not None else (core.epochs if core is not None
+                                                 else getattr(p, "epochs", 1.0))
+            jobs.append(_Job(p, core, wrappers, start, float(e), asked))
         groups: dict[tuple, list[_Job]] = {}
         alone: list[_Job] = []
         for job in jobs:
@@ -163,7 +170,7 @@ class ClientTrainer:
             for job in members:
                 out[job.participant.client_id] = _wrap_up(job, job.core.finish(raw[id(job)]), round_idx)
         for job in alone:
-            out[job.participant.client_id] = job.participant.train(job.start, round_idx, epochs)
+            out[job.participant.client_id] = job.participant.train(job.start, round_idx, job.asked)
             tracker.advance(self._steps(job), clients=1)
         return {p.client_id: out[p.client_id] for p in participants}
 
@@ -307,7 +314,8 @@ class _Progress:
 
 
 def train_clients(participants: Sequence[Any], model_vec: torch.Tensor | Mapping[int, torch.Tensor],
-                  round_idx: int, epochs: float | None = None, *, mode: str = "auto",
+                  round_idx: int, epochs: float | Mapping[int, float] | None = None, *,
+                  mode: str = "auto",
                   progress: ProgressFn | None = None) -> dict[int, ClientUpdate]:
     """One-off :meth:`ClientTrainer.train` (no data cache kept between calls)."""
     return ClientTrainer(mode).train(participants, model_vec, round_idx, epochs, progress=progress)

@@ -46,7 +46,7 @@ from .models import build_model
 from .partition import partition
 from .service_client import ServiceClient, ServiceError
 from .share_seeds import seeded_shares, share_seed
-from .training import LocalClient
+from .training import LocalClient, resolve_device
 
 __all__ = ["FederationSpec", "Federation", "build_federation", "Simulator", "SimulatedClient",
            "TwinRecorder", "parse_unlearn"]
@@ -74,6 +74,9 @@ class FederationSpec:
     boost: float = 5.0
     target_label: int = 0
     train_limit: int | None = None
+    #: where the clients' local SGD runs (``--device``: auto, cpu, cuda); uploads, shares and
+    #: everything sent to the servers stay on the CPU
+    device: str = "cpu"
 
 
 @dataclass
@@ -91,11 +94,13 @@ def build_federation(spec: FederationSpec) -> Federation:
     parts = partition(spec.partition, data.y_train, spec.n, spec.seed, num_classes=data.num_classes)
     factory = build_model(spec.architecture, data.input_shape, data.num_classes, l2=spec.l2)
     trigger = default_trigger(data.input_shape)
+    device = str(resolve_device(spec.device))
     clients = []
     for j, idx in enumerate(parts):
         idx_t = torch.as_tensor(idx, dtype=torch.long)
         c = LocalClient(j, data.x_train[idx_t], data.y_train[idx_t], factory, epochs=spec.epochs,
-                        lr=spec.lr, batch_size=spec.batch_size, alpha=spec.alpha, seed=spec.seed)
+                        lr=spec.lr, batch_size=spec.batch_size, alpha=spec.alpha, seed=spec.seed,
+                        device=device)
         if j in spec.backdoor:
             c = BackdoorClient.from_clean(c, trigger, spec.target_label, spec.poison_fraction,
                                           boost=spec.boost, seed=spec.seed + j)

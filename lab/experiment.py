@@ -15,15 +15,17 @@ import torch
 
 from clients.attacks import ALIE_JITTER, ALIE_Z, ATTACKS, SCALE, AlieClient, ScalingClient, SignFlipClient
 from clients.backdoor import BackdoorClient, default_trigger
+from clients.batched_training import MODES as CLIENT_TRAINING_MODES
+from clients.batched_training import ClientTrainer
 from clients.datasets import load_dataset
 from clients.metrics import Evaluator
 from clients.models import build_model, flatten_params, num_params
 from clients.partition import partition
-from clients.training import LocalClient
+from clients.training import LocalClient, resolve_device
 from protocols.starfish.params import PAPER, StarfishParams
 from lab.recovery import METHODS
 
-__all__ = ["ATTACK_NAMES", "CNN_SIDE", "DATASET_DEFAULTS", "LabConfig", "MODEL_DEFAULTS", "LabSetup", "attackers_of",
+__all__ = ["ATTACK_NAMES", "CLIENT_TRAINING_MODES", "CNN_SIDE", "DATASET_DEFAULTS", "LabConfig", "MODEL_DEFAULTS", "LabSetup", "attackers_of",
            "build_setup", "image_side", "starfish_params"]
 
 #: ``--attack``: nobody, the targets' backdoor (data poisoning, the lab's default), or an upload
@@ -103,6 +105,8 @@ class LabSetup:
     trigger: Any
     attack: str = "backdoor"
     attackers: tuple[int, ...] = ()
+    #: trains a round's clients (batched where the model allows; ``--client-training``)
+    trainer: Any = None
 
 
 def attackers_of(args: argparse.Namespace, targets: list[int]) -> tuple[str, tuple[int, ...]]:
@@ -173,12 +177,17 @@ def build_setup(args: argparse.Namespace, say=lambda _msg: None) -> LabSetup:
 
     trigger = default_trigger(data.input_shape)
     attack, attackers = attackers_of(args, targets)
+    # --device: where the clients' local SGD runs (auto: CUDA when present); every model vector
+    # the lab keeps stays on the CPU. Namespaces built by tests and the secure lab's servers
+    # have no --device: the CPU.
+    device = str(resolve_device(getattr(args, "device", None) or "cpu"))
     participants: list[LocalClient] = []
     for j, idx in enumerate(parts):
         idx_t = torch.as_tensor(idx, dtype=torch.long)
         client = LocalClient(j, data.x_train[idx_t], data.y_train[idx_t], factory,
                              epochs=cfg.get("epochs"), lr=cfg.get("lr"),
-                             batch_size=cfg.get("batch_size"), alpha=args.alpha, seed=args.seed)
+                             batch_size=cfg.get("batch_size"), alpha=args.alpha, seed=args.seed,
+                             device=device)
         if j in attackers:
             client = _attacking(client, attack, args, cfg, trigger)
         participants.append(client)
@@ -192,8 +201,9 @@ def build_setup(args: argparse.Namespace, say=lambda _msg: None) -> LabSetup:
     ty = torch.cat([clean(participants[t], "y") for t in targets])
     evaluate = Evaluator(factory, data.x_test, data.y_test, tx, ty,
                          None if args.no_backdoor else trigger, args.target_label)
+    trainer = ClientTrainer(getattr(args, "client_training", None) or "auto")
     return LabSetup(targets, methods, cfg, factory, m0, participants, evaluate, trigger,
-                    attack, attackers)
+                    attack, attackers, trainer)
 
 
 #: The paper CNN's input side (MNIST); smaller images (the 8x8 digits) are enlarged to it.

@@ -13,6 +13,11 @@ Aggregation: by default the step direction is the FedAvg sum ``sum_j w_j g_j``; 
 keeping the step M_i = M_{i-1} - server_lr * direction and its own state across the rounds of
 one run.
 
+Training a round's clients: the coordinator hands the round's participants to a
+:class:`Trainer` in one call, so that the clients can be trained together
+(``clients.batched_training.ClientTrainer``: one batched program for all of them, the same
+per-client math). The default, :class:`SequentialTrainer`, asks one participant after another.
+
 Omniscient attackers: a participant with a ``train_omniscient`` method (``clients.attacks``)
 is asked after the others of its round and is handed their uploads. That is the
 omniscient-attacker model of the Byzantine literature (FedSECA sec. 3: attackers see every
@@ -39,6 +44,8 @@ __all__ = [
     "OmniscientParticipant",
     "Aggregator",
     "ProgressFn",
+    "Trainer",
+    "SequentialTrainer",
     "collect_uploads",
     "aggregate",
     "run_federated",
@@ -103,20 +110,45 @@ def aggregate(updates: dict[int, torch.Tensor], weights: dict[int, float]) -> to
     return out
 
 
+class Trainer(Protocol):
+    """Trains several participants on one round: ``{p.client_id: p.train(model, round_idx,
+    epochs)}`` in effect, however it is computed. ``model`` and ``epochs`` may also be given
+    per client id (a mapping)."""
+
+    def train(self, participants: Sequence[Participant],
+              model: torch.Tensor | Mapping[int, torch.Tensor], round_idx: int,
+              epochs: float | Mapping[int, float] | None = None) -> dict[int, UpdateLike]: ...
+
+
+class SequentialTrainer:
+    """One participant after another (the reference every batched trainer must equal)."""
+
+    def train(self, participants: Sequence[Participant],
+              model: torch.Tensor | Mapping[int, torch.Tensor], round_idx: int,
+              epochs: float | Mapping[int, float] | None = None) -> dict[int, UpdateLike]:
+        def pick(value, j):
+            return value.get(j) if isinstance(value, Mapping) else value
+
+        return {p.client_id: p.train(pick(model, p.client_id), round_idx, pick(epochs, p.client_id))
+                for p in participants}
+
+
 def _is_omniscient(p: Participant) -> bool:
     return callable(getattr(p, "train_omniscient", None))
 
 
 def collect_uploads(present: Sequence[Participant], model: torch.Tensor,
-                    round_idx: int) -> dict[int, UpdateLike]:
+                    round_idx: int, trainer: Trainer | None = None) -> dict[int, UpdateLike]:
     """Every present participant's upload for this round, keyed in ``present``'s order.
 
-    Omniscient participants train last and see (read-only) the uploads of all the others
-    that are not omniscient, i.e. the honest clients when a single attack runs.
+    The participants that are not omniscient train in one ``trainer`` call (default: one
+    after another). Omniscient participants train last and see (read-only) the uploads of
+    all the others, i.e. the honest clients when a single attack runs.
     """
     seeing = [p for p in present if _is_omniscient(p)]
-    ups: dict[int, UpdateLike] = {p.client_id: p.train(model, round_idx)
-                                  for p in present if not _is_omniscient(p)}
+    trainer = trainer if trainer is not None else SequentialTrainer()
+    ups: dict[int, UpdateLike] = dict(trainer.train([p for p in present if not _is_omniscient(p)],
+                                                    model, round_idx))
     if seeing:
         view = MappingProxyType(dict(ups))
         for p in seeing:
@@ -129,7 +161,8 @@ def run_federated(participants: Sequence[Participant], initial_model: torch.Tens
                   history: History | None = None,
                   progress: ProgressFn | None = None,
                   participation: Sequence[Iterable[int]] | None = None,
-                  aggregator: Aggregator | None = None) -> History:
+                  aggregator: Aggregator | None = None,
+                  trainer: Trainer | None = None) -> History:
     """Run ``rounds`` of FL over all participants not in ``exclude``.
 
     Every round each participant trains on M_{i-1}; the server sets
@@ -141,6 +174,9 @@ def run_federated(participants: Sequence[Participant], initial_model: torch.Tens
     ``participation``: partial participation, one collection of client ids per round (those
     not excluded take part; the round's FedAvg weights are over them); a round left with no
     one is refused. Default: every participant in every round.
+
+    ``trainer``: how a round's participants are trained (:class:`Trainer`; default one after
+    another).
     """
     excluded = set(exclude)
     active = sorted((p for p in participants if p.client_id not in excluded),
@@ -165,7 +201,7 @@ def run_federated(participants: Sequence[Participant], initial_model: torch.Tens
             if not present:
                 raise ValueError(f"no participant takes part in round {i}")
             weights = fedavg_weights({p.client_id: p.num_samples for p in present})
-        ups = collect_uploads(present, model, i)
+        ups = collect_uploads(present, model, i, trainer)
         g = {j: u.update for j, u in ups.items()}
         direction = aggregate(g, weights) if aggregator is None else aggregator.direction(g, weights)
         step = server_lr * direction

@@ -38,6 +38,8 @@ _BENCH: dict[str, tuple[str, str, str]] = {
                 "bench.scaling", "main"),
     "aggregation": ("one FL round's Byzantine-robust aggregation in 2PC (FedSECA or BRACE's sign vote), "
                     "MNIST shapes: bytes, rounds, seconds per step", "bench.robust_aggregation", "main"),
+    "training": ("one FL round's local training, clients batched (vmap) vs one after another: seconds, "
+                 "speed-up, difference; Fashion-MNIST CNN by default", "bench.batched_training", "main"),
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch
 
 from protocols.starfish.ports import History, remaining_clients
 
-from lab.fl import Participant, ProgressFn
+from lab.fl import Participant, ProgressFn, SequentialTrainer, Trainer
 
 __all__ = ["CostRecord", "ClientPool", "PoolClients", "RecoveryMethod", "remaining_clients", "Timer"]
 
@@ -58,9 +58,16 @@ class CostRecord:
 
 
 class ClientPool:
-    """The remaining clients, reachable for exact updates, with every request counted."""
+    """The remaining clients, reachable for exact updates, with every request counted.
 
-    def __init__(self, participants: Sequence[Participant], remaining: Iterable[int]) -> None:
+    ``trainer`` (``lab.fl.Trainer``) computes the requests; :meth:`request_many` hands it all
+    the clients of one round at once, so they can be trained together (default: one after
+    another).
+    """
+
+    def __init__(self, participants: Sequence[Participant], remaining: Iterable[int],
+                 trainer: Trainer | None = None) -> None:
+        self._trainer: Trainer = trainer if trainer is not None else SequentialTrainer()
         by_id = {p.client_id: p for p in participants}
         self.ids: list[int] = sorted(remaining)
         missing = [j for j in self.ids if j not in by_id]
@@ -76,12 +83,21 @@ class ClientPool:
 
         ``model`` is sent as given; callers pass it in the history's model dtype.
         """
-        p = self._clients[client]
-        up = p.train(model, round_idx, epochs)
-        self.computations[client] += 1
-        base = getattr(p, "epochs", 1.0)
-        self.epochs[client] += float(base if epochs is None else epochs)
-        return up
+        return self.request_many([client], model, round_idx, epochs)[client]
+
+    def request_many(self, clients: Sequence[int], model: torch.Tensor | Mapping[int, torch.Tensor],
+                     round_idx: int, epochs: float | Mapping[int, float] | None = None) -> dict[int, Any]:
+        """:meth:`request` of every client in ``clients``, in one trainer call.
+
+        ``model`` and ``epochs`` are one value for all or one per client (a mapping).
+        """
+        ups = self._trainer.train([self._clients[j] for j in clients], model, round_idx, epochs)
+        for j in clients:
+            asked = epochs.get(j) if isinstance(epochs, Mapping) else epochs
+            self.computations[j] += 1
+            base = getattr(self._clients[j], "epochs", 1.0)
+            self.epochs[j] += float(base if asked is None else asked)
+        return {j: ups[j] for j in clients}
 
     def request_omniscient(self, client: int, model: torch.Tensor, round_idx: int,
                            others: Any) -> Any:
@@ -95,6 +111,16 @@ class ClientPool:
               epochs: float | None = None) -> torch.Tensor:
         """The exact update g of ``client`` on ``model``."""
         return self.request(client, model, round_idx, epochs).update
+
+    def exact_many(self, clients: Sequence[int], model: torch.Tensor, round_idx: int,
+                   epochs: float | Mapping[int, float] | None = None) -> dict[int, torch.Tensor]:
+        """The exact updates of ``clients`` on ``model``, trained in one call."""
+        return {j: up.update for j, up in self.request_many(clients, model, round_idx, epochs).items()}
+
+    def trainer(self) -> Trainer:
+        """A ``lab.fl.Trainer`` for this pool's :meth:`participant` views (Retrain's FL): the
+        views of one round are trained in one call and counted like any request."""
+        return _PoolTrainer(self)
 
     def participant(self, client: int) -> Participant:
         """A Participant view of ``client`` whose trainings are counted by this pool.
@@ -138,14 +164,25 @@ class _CountedOmniscient(_CountedParticipant):
         return self._pool.request_omniscient(self.client_id, model_vec, round_idx, others)
 
 
+class _PoolTrainer:
+    def __init__(self, pool: ClientPool) -> None:
+        self._pool = pool
+
+    def train(self, participants: Sequence[Participant],
+              model: torch.Tensor | Mapping[int, torch.Tensor], round_idx: int,
+              epochs: float | Mapping[int, float] | None = None) -> dict[int, Any]:
+        return self._pool.request_many([p.client_id for p in participants], model, round_idx, epochs)
+
+
 class PoolClients:
-    """A ClientPool behind Stage II's CorrectionClients port (each request counted)."""
+    """A ClientPool behind Stage II's CorrectionClients port (each request counted; the
+    clients of one correction are trained in one call)."""
 
     def __init__(self, pool: ClientPool) -> None:
         self._pool = pool
 
     def exact_updates(self, round_index: int, model: torch.Tensor, client_ids: list[int]) -> dict[int, Any]:
-        return {j: self._pool.exact(j, model, round_index) for j in client_ids}
+        return self._pool.exact_many(list(client_ids), model, round_index)
 
 
 class Timer:
@@ -165,6 +202,9 @@ class RecoveryMethod(ABC):
     """
 
     name: str = "method"
+    #: How the method's requests to remaining clients are trained (``lab.fl.Trainer``); None:
+    #: one after another. The lab sets it to its batched trainer.
+    trainer: Trainer | None = None
 
     @abstractmethod
     def unlearn(self, history: History, targets: Sequence[int],

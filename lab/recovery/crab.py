@@ -195,7 +195,7 @@ class Crab(RecoveryMethod):
                 participants: Sequence[Participant],
                 progress: ProgressFn | None = None) -> tuple[torch.Tensor, CostRecord]:
         rest = remaining_clients(history, targets)
-        pool = ClientPool(participants, rest)
+        pool = ClientPool(participants, rest, self.trainer)
         rest_set = set(rest)
         eta = self.server_lr if self.server_lr is not None else history.server_lr
         cost = CostRecord(self.name, history.num_rounds)
@@ -230,8 +230,9 @@ class Crab(RecoveryMethod):
         w = view.weights(t)
         total = sum(float(w[j]) for j in present)
         step = torch.zeros_like(model)
+        updates = pool.exact_many(list(present), model.to(out_dtype), t)
         for j in present:
-            fresh = pool.exact(j, model.to(out_dtype), t).reshape(-1).to(torch.float64)
+            fresh = updates[j].reshape(-1).to(torch.float64)
             n_fresh = float(fresh.norm())
             if n_fresh == 0.0:
                 continue

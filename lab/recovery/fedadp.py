@@ -283,7 +283,7 @@ class FedADP(RecoveryMethod):
                 progress: ProgressFn | None = None) -> tuple[torch.Tensor, CostRecord]:
         rest = remaining_clients(history, targets)
         rest_set = set(rest)
-        pool = ClientPool(participants, rest)
+        pool = ClientPool(participants, rest, self.trainer)
         eta = self.server_lr if self.server_lr is not None else history.server_lr
         fl_rounds = [t for t in range(1, history.num_rounds + 1) if history.participants(t)]
         cost = CostRecord(self.name, history.num_rounds)
@@ -316,8 +316,9 @@ class FedADP(RecoveryMethod):
                     sizes = {j: float(pool.num_samples(j)) for j in here}
                     total = sum(sizes.values())
                     agg = torch.zeros_like(model)
+                    updates = pool.exact_many(here, model.to(m0_dtype), t)
                     for j in here:
-                        fresh = pool.exact(j, model.to(m0_dtype), t).reshape(-1).to(torch.float64)
+                        fresh = updates[j].reshape(-1).to(torch.float64)
                         agg += (sizes[j] / total) * project(keep[j], fresh)
                     model = model - eta * agg
                     used.append(t)

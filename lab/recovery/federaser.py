@@ -55,7 +55,7 @@ class FedEraser(RecoveryMethod):
                 participants: Sequence[Participant],
                 progress: ProgressFn | None = None) -> tuple[torch.Tensor, CostRecord]:
         rest = remaining_clients(history, targets)
-        pool = ClientPool(participants, rest)
+        pool = ClientPool(participants, rest, self.trainer)
         by_id = {p.client_id: p for p in participants}
         eta = self.server_lr if self.server_lr is not None else history.server_lr
         rounds = candidate_rounds(history, rest)[::self.interval]
@@ -68,10 +68,11 @@ class FedEraser(RecoveryMethod):
                 sizes = {j: pool.num_samples(j) for j in present}
                 total = float(sum(sizes.values()))
                 agg = torch.zeros_like(model)
+                epochs = {j: (self.local_epochs or float(getattr(by_id[j], "epochs", 1.0)))
+                          * self.epoch_ratio for j in present}
+                fresh = pool.exact_many(present, model.to(m0_dtype), t, epochs=epochs)
                 for j in present:
-                    base = self.local_epochs or float(getattr(by_id[j], "epochs", 1.0))
-                    new = pool.exact(j, model.to(m0_dtype), t,
-                                     epochs=base * self.epoch_ratio).to(torch.float64)
+                    new = fresh[j].to(torch.float64)
                     old = torch.as_tensor(history.update(t, j)).to(torch.float64)
                     agg += (sizes[j] / total) * calibrate(old, new)
                 model = model - eta * agg

@@ -127,7 +127,7 @@ class FedRecover(RecoveryMethod):
                 participants: Sequence[Participant],
                 progress: ProgressFn | None = None) -> tuple[torch.Tensor, CostRecord]:
         rest = remaining_clients(history, targets)
-        pool = ClientPool(participants, rest)
+        pool = ClientPool(participants, rest, self.trainer)
         rounds = candidate_rounds(history, rest)
         T = len(rounds)                     # |C|; = history.num_rounds under full participation
         eta = self.server_lr if self.server_lr is not None else history.server_lr

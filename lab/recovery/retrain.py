@@ -44,7 +44,7 @@ class Retrain(RecoveryMethod):
                 participants: Sequence[Participant],
                 progress: ProgressFn | None = None) -> tuple[torch.Tensor, CostRecord]:
         rest = remaining_clients(history, targets)
-        pool = ClientPool(participants, rest)
+        pool = ClientPool(participants, rest, self.trainer)
         if self.rounds:
             rounds, pattern = self.rounds, None
         else:
@@ -55,7 +55,7 @@ class Retrain(RecoveryMethod):
             wrapped = [pool.participant(j) for j in rest]
             new_hist = run_federated(wrapped, history.model(0), rounds, history.server_lr,
                                      progress=progress, participation=pattern,
-                                     aggregator=self.aggregator)
+                                     aggregator=self.aggregator, trainer=pool.trainer())
         cost.wall_time_s = timer.elapsed
         cost.rounds_used = rounds
         cost.stored = {"rounds": 0, "updates": 0, "models": 0, "bytes": 0}

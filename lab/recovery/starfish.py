@@ -56,7 +56,7 @@ class Starfish(RecoveryMethod):
                 participants: Sequence[Participant],
                 progress: ProgressFn | None = None) -> tuple[torch.Tensor, CostRecord]:
         rest = remaining_clients(history, targets)
-        pool = ClientPool(participants, rest)
+        pool = ClientPool(participants, rest, self.trainer)
         cost = CostRecord(self.name, history.num_rounds)
         with Timer() as timer:
             res = run_stage2(None, history, targets, self.params, PoolClients(pool), progress,

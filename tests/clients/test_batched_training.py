@@ -80,7 +80,7 @@ client_sets = st.integers(1, 5).flatmap(lambda k: st.tuples(
 
 
 @given(clients=client_sets, seed=st.integers(0, 2**16), round_idx=st.integers(1, 50),
-       epochs=st.sampled_from([None, 0, 0.5, 1.5, 3]), own_starts=st.booleans())
+       epochs=st.sampled_from([None, 0, 0.5, 1.5, 3, "each"]), own_starts=st.booleans())
 def test_batched_equals_sequential_loop(clients, seed, round_idx, epochs, own_starts):
     sizes, batch_sizes, lrs, roles = clients
     cores = make_clients(sizes, batch_sizes, lrs, SmoothMLP, (1, 4, 4), 3, seed, epochs=2.0)
@@ -100,10 +100,16 @@ def test_batched_equals_sequential_loop(clients, seed, round_idx, epochs, own_st
     starts = ({p.client_id: base + 0.1 * torch.randn(base.shape, generator=gen, dtype=torch.float64)
                for p in parts} if own_starts else base)
 
+    if epochs == "each":   # per-client epochs (FedEraser's calibration asks for a fraction of each's own)
+        epochs = {p.client_id: [0.5, 1.0, 2.5][p.client_id % 3] for p in parts}
+
     def start(j):
         return starts[j] if own_starts else starts
 
-    seq = {p.client_id: p.train(start(p.client_id), round_idx, epochs) for p in parts}
+    def asked(j):
+        return epochs[j] if isinstance(epochs, dict) else epochs
+
+    seq = {p.client_id: p.train(start(p.client_id), round_idx, asked(p.client_id)) for p in parts}
     bat = ClientTrainer("batched").train(parts, starts, round_idx, epochs)
     assert_same_uploads(seq, bat, rtol=1e-9)
 
