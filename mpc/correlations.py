@@ -167,7 +167,8 @@ class MaskRegistry:
 
 
 def _t(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a))
+    # np.ascontiguousarray makes a 0-d array 1-d: the shares of x.sum() * y.sum() must stay 0-d
+    return torch.from_numpy(np.ascontiguousarray(a).reshape(np.shape(a)))
 
 
 def _op_result_shape(req: tuple) -> tuple[int, ...]:

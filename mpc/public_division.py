@@ -84,8 +84,9 @@ def plan(n: int) -> DivisionPlan:
 
 
 def error_bound(n: int) -> float:
-    """|x / n - result| < this many units of the ring (2**-16 at CrypTen's precision)."""
-    return plan(n).bound
+    """|x / n - result| <= this many units of the ring (2**-16 at CrypTen's precision)."""
+    n = abs(int(n))
+    return 0.0 if n == 1 else plan(n).bound
 
 
 def divide_share(share: torch.Tensor, n: int, truncate: Truncate) -> torch.Tensor:
@@ -103,9 +104,10 @@ def divide_share(share: torch.Tensor, n: int, truncate: Truncate) -> torch.Tenso
     if n == 1 or share.numel() == 0:
         return share.clone()
     p = plan(n)
-    h = truncate(share, p.s)
-    y = h * p.b + (share - h * (1 << p.s))
+    x = share.reshape(-1)   # flat: a truncation may hand a 0-d share back with shape (1,)
+    h = truncate(x, p.s)
+    y = h * p.b + (x - h * (1 << p.s))
     q1 = truncate(y * p.m1, p.k1)
     r = y - q1 * n
     q2 = truncate(r * p.m2, p.k2)
-    return h * p.a + q1 + q2
+    return (h * p.a + q1 + q2).reshape(share.shape)

@@ -18,7 +18,7 @@ Cost per element: 8 bytes each way online, one round; offline 16 bytes to party 
 derives its shares from its seed). Requires |x_ring| < 2**62 and 1 <= d <= 62. Opens c only.
 ``mpc.session.open_party(truncation="wrapfree")`` (the default) makes every two-party truncation
 of CrypTen (``div`` by a power of two, which every fixed-point multiplication ends with) use it;
-other divisors are refused then.
+other integer divisors take three of them (``mpc.public_division``).
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def truncate_share(share: torch.Tensor, d: Any) -> torch.Tensor:
     """
     if share.numel() == 0:
         return share.clone()
+    if share.dim() == 0:   # the dealer's pairs come as shape (1,): keep a 0-d share 0-d
+        return truncate_share(share.reshape(1), d).reshape(())
     per_element = torch.is_tensor(d) and d.dim() > 0
     if per_element:
         exps = d.expand(share.shape).to(torch.long)

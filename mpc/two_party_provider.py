@@ -83,6 +83,9 @@ class TwoPartyProvider(TupleProviderBase):
     def _product(self, op: str, a: np.ndarray, b: np.ndarray, args: tuple, kwargs: dict, kind: str) -> np.ndarray:
         """This party's share of op(a, b) for two sharings, from the engine's products."""
         engine = self._require()
+        if op == "mul" and not args and not kwargs:
+            # the engine hands a 0-d product back as shape (1,): x.sum() * y.sum() stays 0-d
+            return engine.product(op, a, b, kind=kind).reshape(np.broadcast_shapes(a.shape, b.shape))
         if op in _OPS and not args and not kwargs:
             return engine.product(op, a, b, kind=kind)
         if op in _CONVS:
@@ -99,9 +102,8 @@ class TwoPartyProvider(TupleProviderBase):
         return tuple(AST.from_shares(torch.from_numpy(t), precision=0) for t in (a, b, c))
 
     def square(self, size, device=None):
-        engine = self._require()
         (r,) = self._random(_shape(size))
-        r2 = engine.product("mul", r, r)
+        r2 = self._product("mul", r, r, (), {}, "offline")
         return AST.from_shares(torch.from_numpy(r), precision=0), AST.from_shares(torch.from_numpy(r2), precision=0)
 
     def generate_binary_triple(self, size0, size1, device=None):
