@@ -34,7 +34,6 @@ import torch
 from clients.attacks import ALIE_JITTER, ALIE_Z, SCALE
 from clients.datasets import DATASET_NAMES
 from clients.models import MODEL_NAMES
-from clients.training import DEVICES
 from net.channel import LinkProfile
 from protocols.starfish.params import PAPER
 from lab.aggregators import (
@@ -54,7 +53,7 @@ from lab.recovery.crab import Crab
 from lab.recovery.fedadp import ADJACENCY, FedADP
 
 from . import progress
-from lab.experiment import ATTACK_NAMES, CLIENT_TRAINING_MODES, build_setup, starfish_params
+from lab.experiment import ATTACK_NAMES, build_setup, starfish_params
 from .report import human_bytes
 from .secure_lab import run_secure_starfish, step_table
 
@@ -194,14 +193,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o = parser.add_argument_group("output")
     o.add_argument("--out", help="directory for lab.json and lab.png")
     progress.add_quiet_argument(o)
-    t = parser.add_argument_group("client training")
-    t.add_argument("--device", choices=DEVICES, default="auto",
-                   help="where the clients' local SGD runs (auto: CUDA when torch sees a GPU, else "
-                        "the CPU); models, histories and the 2PC run stay on the CPU")
-    t.add_argument("--client-training", choices=CLIENT_TRAINING_MODES, default="auto",
-                   help="auto: a round's clients trained together as one batched program where the "
-                        "model allows (no buffers, dropout or normalisation layers), else one after "
-                        "another; batched / sequential force one way (docs/lab.md, round times)")
     o.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1: the lab's small models gain nothing from "
                         "more, and spinning threads stall on a shared machine)")
@@ -263,15 +254,9 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     aggregator = make_aggregator(args)
-    trainer = setup.trainer
-    # the in-round bar (clients' local steps, time left in the round) shows only when a round's
-    # training lasts long enough to need it: real data with the CNN, not the digits
-    with progress.progress(args.rounds, "FL", quiet=quiet, unit="round") as bar, \
-            progress.within("clients", quiet=quiet) as in_round:
-        trainer.progress = in_round
+    with progress.progress(args.rounds, "FL", quiet=quiet, unit="round") as bar:
         history = run_federated(participants, m0, args.rounds, cfg.get("lr"),
-                                progress=progress.callback(bar), aggregator=aggregator,
-                                trainer=trainer)
+                                progress=progress.callback(bar), aggregator=aggregator)
     fl_time = time.perf_counter() - t0
     original = history.model(history.num_rounds)
     rows: list[dict[str, Any]] = [{"method": "original (with target)", **evaluate(original),
@@ -282,13 +267,9 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
     costs: dict[str, CostRecord] = {}
     for name in methods:
         method = _make_method(name, args)
-        method.trainer = trainer
         # each method reports its own total (rounds retrained or replayed) through the callback
-        with progress.progress(None, name, quiet=quiet, unit="round") as bar, \
-                progress.within("clients", quiet=quiet) as in_round:
-            trainer.progress = in_round
+        with progress.progress(None, name, quiet=quiet, unit="round") as bar:
             model, cost = method.unlearn(history, targets, participants, progress=progress.callback(bar))
-        trainer.progress = None
         models[name], costs[name] = model, cost
     secure = None
     if secure_on:
@@ -321,10 +302,7 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
                    "num_params": int(m0.numel()), "trigger": vars(trigger),
                    # every FL round of this run (and Retrain's) used this rule
                    "aggregator": {"name": aggregator.name, **aggregator.params()},
-                   "attack": setup.attack, "attackers": list(setup.attackers),
-                   # where the clients trained (--device auto resolved) and how
-                   "training_device": str(getattr(participants[0], "device", "cpu")),
-                   "client_training": setup.trainer.mode})
+                   "attack": setup.attack, "attackers": list(setup.attackers)})
     result = {"config": config, "results": rows,
               "costs": {k: c.to_json() for k, c in costs.items()}}
     if secure is not None:
@@ -451,18 +429,33 @@ def plot(result: dict[str, Any], path: Path) -> None:
     rows = result["results"]
     names = [r["method"].replace(" (with target)", "\n(with target)")
              + ("\n(diverged)" if r.get("diverged") else "") for r in rows]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
-    for ax, (key, title, pct) in zip(axes, [("ter", "TER (%)", True), ("ba_asr", "BA-ASR (%)", True),
-                                            ("mia_asr", "MIA-ASR (%)", True), ("arp", "ARP (%)", False)]):
+    # (key, title, percent, which way is better): a reader of one panel should not need the docs
+    panels = [("ter", "TER: test error rate (%)", True, "lower is better"),
+              ("ba_asr", "BA-ASR: backdoor success (%)", True, "lower is better"),
+              ("mia_asr", "MIA-ASR: membership inference (%)", True, "nearer 50% (chance) is better"),
+              ("arp", "ARP: client work saved (%)", False, "higher is better")]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 4.4))
+    for ax, (key, title, pct, better) in zip(axes, panels):
         vals = [r.get(key) for r in rows]
-        vals = [float("nan") if v is None else (100 * v if pct else v) for v in vals]
-        ax.bar(range(len(vals)), vals, color="#4477aa")
+        vals = [None if v is None else (100 * v if pct else v) for v in vals]
+        ax.bar(range(len(vals)), [0.0 if v is None else v for v in vals], color="#4477aa")
+        top = max([v for v in vals if v is not None] + [1.0])
+        for i, v in enumerate(vals):
+            # a metric that does not apply is no zero: say so where the bar would be; a value
+            # is printed on its bar, so a true 0 is seen as one
+            ax.text(i, (0.0 if v is None else v) + 0.01 * top, "n/a" if v is None else f"{v:.1f}",
+                    ha="center", va="bottom", fontsize=7, color="#777777" if v is None else "black")
+        ax.set_ylim(0, 1.12 * top)   # room for the value labels
+        if key == "mia_asr":
+            ax.axhline(50.0, color="#cc3311", linestyle="--", linewidth=1, label="chance (50%)")
+            ax.legend(fontsize=7, loc="lower right")
         ax.set_xticks(range(len(vals)))
         ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
-        ax.set_title(title)
+        ax.set_title(f"{title}\n({better})", fontsize=10)
     cfg = result["config"]
     fig.suptitle(f"starfish lab: {cfg['dataset']}, {cfg.get('model')}, {cfg['clients']} clients, "
-                 f"{cfg['rounds']} rounds, targets {cfg['targets']}")
+                 f"{cfg['rounds']} rounds, targets {cfg['targets']}. ARP = mean over remaining clients "
+                 "of (T - exact trainings asked) / T (docs/lab.md, Metrics)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

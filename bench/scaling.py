@@ -126,54 +126,70 @@ def fit_per_client_coordinate(rows: list[dict], step: str) -> tuple[float, float
     return float(a), float(b)
 
 
+#: one colour per step in every panel (a step kept its colour across the columns only by chance)
+STEP_COLORS = {"TD2": "#228833", "RS1": "#aa3377", "UE": "#4477aa", "TC": "#ee6677", "aggregate": "#ccbb44"}
+
+
 def plot(rows: list[tuple[str, dict]], path: Path, where: str) -> None:
     # lazy: the CLI imports this module for every command; matplotlib.pyplot costs ~0.45 s there
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
 
     axes_spec = [("clients", "clients n", ROUND_STEPS), ("params", "model size m (parameters)", ROUND_STEPS),
                  ("rounds", "FL rounds T", SETUP_STEPS + ROUND_STEPS)]
-    fig, axs = plt.subplots(4, 3, figsize=(14, 14))
+    linked = any(r.get("links") for _, r in rows)
+    nrows = 4 if linked else 3            # no empty row when only loopback was measured
+    fig, axs = plt.subplots(nrows, 3, figsize=(14, 3.4 * nrows), squeeze=False)
     for col, (axis, label, steps) in enumerate(axes_spec):
         pts = sorted((r for a, r in rows if a == axis), key=lambda r: r[axis])
         if not pts:
+            for row_i in range(nrows):
+                axs[row_i][col].set_visible(False)
             continue
         xs = [r[axis] for r in pts]
+
+        def x_axis(ax) -> None:
+            ax.set_xlabel(label)
+            if axis == "params":
+                ax.set_xscale("log")
+            else:                          # clients and rounds are counts: ticks at the points
+                ax.set_xticks(xs)
+            ax.grid(True, alpha=0.3)
+            # below the panel, so that no line is hidden behind it
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, frameon=False)
+
         for row_i, (q, ylabel, scale) in enumerate((("online_bytes", "online MB (both directions)", 1e6),
                                                     ("rounds", "rounds", 1),
                                                     ("online_s", "online compute s (loopback)", 1))):
             ax = axs[row_i][col]
             for st in steps:
                 ys = [r["steps"][st][q] / scale for r in pts]
-                ax.plot(xs, ys, marker="o", label=st)
+                ax.plot(xs, ys, marker="o", label=st, color=STEP_COLORS.get(st))
             if q != "rounds" and axis in ("clients", "params"):
                 ax.plot(xs, [sum(r["steps"][st][q] for st in ROUND_STEPS) / scale for r in pts], "k--",
                         marker="s", label="one round (UE+TC+aggregate)")
-            ax.set_xlabel(label)
             ax.set_ylabel(ylabel)
-            if axis == "params":
-                ax.set_xscale("log")
             if q == "online_bytes" and axis != "rounds":
                 ax.set_yscale("log")
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
+            if q == "rounds":
+                ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+            x_axis(ax)
+        if not linked:
+            continue
         ax = axs[3][col]
         if not pts[0].get("links"):
-            ax.set_visible(False)  # loopback only: no link runs to show
+            ax.set_visible(False)
             continue
         group, what = ("setup", "TD+RS") if axis == "rounds" else ("round", "one round")
         for name in sorted(pts[0]["links"]):
             line, = ax.plot(xs, [r["links"][name][f"{group}_s"] for r in pts], marker="o", label=f"{what}, {name}")
             ax.plot(xs, [r["links"][name][f"{group}_analytic_s"] for r in pts], "--", color=line.get_color(),
                     label=f"{what}, {name}, analytic")
-        ax.set_xlabel(label)
         ax.set_ylabel("online s, emulated link")
-        if axis == "params":
-            ax.set_xscale("log")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        x_axis(ax)
     fig.suptitle("Starfish 2PC cost (synthetic history, dealer, loopback): one unlearning round vs clients and "
                  f"model size; TD/RS and one round vs T\n({where})", fontsize=10)
     fig.tight_layout()
