@@ -34,6 +34,7 @@ import torch
 from clients.attacks import ALIE_JITTER, ALIE_Z, SCALE
 from clients.datasets import DATASET_NAMES
 from clients.models import MODEL_NAMES
+from clients.training import DEVICES
 from net.channel import LinkProfile
 from protocols.starfish.params import PAPER
 from lab.aggregators import (
@@ -53,7 +54,7 @@ from lab.recovery.crab import Crab
 from lab.recovery.fedadp import ADJACENCY, FedADP
 
 from . import progress
-from lab.experiment import ATTACK_NAMES, build_setup, starfish_params
+from lab.experiment import ATTACK_NAMES, CLIENT_TRAINING_MODES, build_setup, starfish_params
 from .report import human_bytes
 from .secure_lab import run_secure_starfish, step_table
 
@@ -193,6 +194,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o = parser.add_argument_group("output")
     o.add_argument("--out", help="directory for lab.json and lab.png")
     progress.add_quiet_argument(o)
+    t = parser.add_argument_group("client training")
+    t.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where the clients' local SGD runs (auto: CUDA when torch sees a GPU, else "
+                        "the CPU); models, histories and the 2PC run stay on the CPU")
+    t.add_argument("--client-training", choices=CLIENT_TRAINING_MODES, default="auto",
+                   help="auto: a round's clients trained together as one batched program where the "
+                        "model allows (no buffers, dropout or normalisation layers), else one after "
+                        "another; batched / sequential force one way (docs/lab.md, round times)")
     o.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1: the lab's small models gain nothing from "
                         "more, and spinning threads stall on a shared machine)")
@@ -254,9 +263,15 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     aggregator = make_aggregator(args)
-    with progress.progress(args.rounds, "FL", quiet=quiet, unit="round") as bar:
+    trainer = setup.trainer
+    # the in-round bar (clients' local steps, time left in the round) shows only when a round's
+    # training lasts long enough to need it: real data with the CNN, not the digits
+    with progress.progress(args.rounds, "FL", quiet=quiet, unit="round") as bar, \
+            progress.within("clients", quiet=quiet) as in_round:
+        trainer.progress = in_round
         history = run_federated(participants, m0, args.rounds, cfg.get("lr"),
-                                progress=progress.callback(bar), aggregator=aggregator)
+                                progress=progress.callback(bar), aggregator=aggregator,
+                                trainer=trainer)
     fl_time = time.perf_counter() - t0
     original = history.model(history.num_rounds)
     rows: list[dict[str, Any]] = [{"method": "original (with target)", **evaluate(original),
@@ -267,9 +282,13 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
     costs: dict[str, CostRecord] = {}
     for name in methods:
         method = _make_method(name, args)
+        method.trainer = trainer
         # each method reports its own total (rounds retrained or replayed) through the callback
-        with progress.progress(None, name, quiet=quiet, unit="round") as bar:
+        with progress.progress(None, name, quiet=quiet, unit="round") as bar, \
+                progress.within("clients", quiet=quiet) as in_round:
+            trainer.progress = in_round
             model, cost = method.unlearn(history, targets, participants, progress=progress.callback(bar))
+        trainer.progress = None
         models[name], costs[name] = model, cost
     secure = None
     if secure_on:
@@ -302,7 +321,10 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
                    "num_params": int(m0.numel()), "trigger": vars(trigger),
                    # every FL round of this run (and Retrain's) used this rule
                    "aggregator": {"name": aggregator.name, **aggregator.params()},
-                   "attack": setup.attack, "attackers": list(setup.attackers)})
+                   "attack": setup.attack, "attackers": list(setup.attackers),
+                   # where the clients trained (--device auto resolved) and how
+                   "training_device": str(getattr(participants[0], "device", "cpu")),
+                   "client_training": setup.trainer.mode})
     result = {"config": config, "results": rows,
               "costs": {k: c.to_json() for k, c in costs.items()}}
     if secure is not None:
