@@ -130,6 +130,9 @@ class UnlearningSection:
     # job (and FL, paused during it) for at most this long (issue 25: was 300 s, and failed the job)
     correction_timeout: float = 30.0
     agree_timeout: float = 60.0      # a request that reached only one server fails after this
+    # seconds after a client's request ended without adoption (failed, expired at one server,
+    # cancelled) before it may file a new one; 0 = none (issue 25: repeated at once)
+    request_cooldown: float = 60.0
     session_timeout: float = 300.0   # 2PC session: seconds to wait for the peer/dealer
 
 
@@ -271,6 +274,7 @@ def _check(cfg: ServiceConfig) -> None:
     need(u.t_delta >= 0, "[unlearning] t_delta must be >= 0 (0: from the measured costs)")
     for key in ("correction_timeout", "agree_timeout", "session_timeout"):
         need(getattr(u, key) > 0, f"[unlearning] {key} must be > 0")
+    need(u.request_cooldown >= 0, "[unlearning] request_cooldown must be >= 0 seconds (0: none)")
     lim = cfg.limits
     need(1024 <= lim.max_message_bytes <= lim.max_frame_bytes,
          "[limits] need 1024 <= max_message_bytes <= max_frame_bytes")

@@ -29,6 +29,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -41,7 +42,13 @@ from common.service_config import ServiceConfig
 
 from servers.secure.correction_tasks import TaskBoard
 from servers.store.crash_points import checkpoint
-from servers.daemon.job_scheduler import PENDING, JobScheduler
+from servers.daemon.job_scheduler import (
+    MAX_REQUESTED,
+    PENDING,
+    SUPERSEDED,
+    JobScheduler,
+    job_quota,
+)
 from servers.daemon.rate_limits import TokenBucket
 from servers.secure.ring_aggregation import max_total_samples
 from servers.daemon.round_coordinator import RoundCoordinator
@@ -65,8 +72,6 @@ ADMIN_OPS = frozenset({"state", "get_model", "round_info", "unlearn", "job_statu
                        "cancel_job", "reenrol", "staged", "drop_staged"})
 #: Admin-only operations.
 ONLY_ADMIN_OPS = frozenset({"cancel_job", "reenrol", "staged", "drop_staged"})
-#: Unlearning jobs the operator may have pending at once (clients: ``limits.max_pending_jobs``).
-ADMIN_PENDING_JOBS = 16
 #: What a forgotten client may still do: read public state and its own jobs (the receipt).
 FORGOTTEN_OPS = frozenset({"state", "get_model", "round_info", "job_status", "status"})
 #: The result fields ``job_status`` shows of a finished job.
@@ -350,11 +355,7 @@ class ClientAPI:
             targets = [cid]
         elif targets is None:
             raise wire.WireError("bad_request", "admin must name the targets")
-        pending = [j for j in self.store.jobs() if j.requester == who and j.state in PENDING]
-        quota = ADMIN_PENDING_JOBS if cid is None else self.cfg.limits.max_pending_jobs
-        if len(pending) >= quota and all(j.id != f["job"] for j in pending):
-            raise wire.WireError("rate_limited", f"{who} has {len(pending)} unlearning jobs pending "
-                                                 f"(at most {quota}): {[j.id for j in pending]}")
+        self._admit_request(who, f["job"])
         gone = sorted(t for t in targets if self.store.is_forgotten(t))
         if gone:
             raise wire.WireError("forgotten", f"clients {gone} are already forgotten")
@@ -364,6 +365,39 @@ class ClientAPI:
         rec = self.jobs.submit(who, targets, f["job"])
         self.rounds.wake()
         return {"job": rec.id, "state": rec.state}
+
+    def _admit_request(self, who: str, job: str) -> None:
+        """Refuse (``rate_limited``) a new request of ``who`` over its quotas; a replay of one of
+        its requests is answered as before (idempotent).
+
+        Three bounds (issue 25, finding 2): agreed jobs pending (``limits.max_pending_jobs``;
+        admin 16), requests waiting for the other server (``MAX_REQUESTED``; they pause nothing,
+        but each is a record), and, for a client, ``unlearning.request_cooldown`` seconds after a
+        request of its ended without adoption (failed, expired at one server, cancelled), so that
+        neither a cancelled job nor a stream of one-sided requests can be renewed at once.
+        """
+        mine = [j for j in self.store.jobs() if j.requester == who]
+        if any(j.id == job for j in mine):   # a replay records nothing new
+            return
+        pending = [j.id for j in mine if j.state in PENDING]
+        quota = job_quota(self.cfg, who)
+        if len(pending) >= quota:
+            raise wire.WireError("rate_limited", f"{who} has {len(pending)} unlearning jobs pending "
+                                                 f"(at most {quota}): {pending}")
+        waiting = [j.id for j in mine if j.state == JobState.REQUESTED]
+        if len(waiting) >= MAX_REQUESTED:
+            raise wire.WireError("rate_limited", f"{who} has {len(waiting)} unlearning requests that "
+                                 f"the other server has not received yet (at most {MAX_REQUESTED}): "
+                                 f"{waiting}; send them to both servers")
+        cooldown = self.cfg.unlearning.request_cooldown
+        if who != tls.ADMIN_NAME and cooldown > 0:
+            ended = [j for j in mine if j.state in (JobState.FAILED, JobState.CANCELLED)
+                     and not (j.error or "").startswith(SUPERSEDED)]
+            last = max((j.updated_at for j in ended), default=None)
+            if last is not None and time.time() < last + cooldown:
+                raise wire.WireError("rate_limited", f"{who}'s last unlearning request ended without "
+                                     f"adoption {time.time() - last:.0f} s ago; a new one is accepted "
+                                     f"{cooldown:g} s after that (unlearning.request_cooldown)")
 
     @staticmethod
     def _job_dict(rec: JobRecord) -> dict:

@@ -2,9 +2,15 @@
 
 The life of a request (docs/service.md, "The life of an unlearning request"):
 
-1. **queued**: the request reached this server (each checks the requester's certificate
-   itself) and is recorded in the history store. While any job is queued, running or
-   computed, FL waits: the leader closes no round and uploads are refused with ``paused``.
+0. **requested**: the request reached this server (each checks the requester's certificate
+   itself) and is recorded in the history store. It pauses nothing yet: a request sent to one
+   server only used to pause FL on both for ``agree_timeout`` (issue 25, finding 2).
+1. **queued**: server 0 found the same request at both servers and agreed it with server 1
+   (:class:`JobAgree`; server 1 first). While any job is queued, running or computed, FL
+   waits: the leader closes no round and uploads are refused with ``paused``. A requester has
+   at most its quota of agreed jobs; its other requests are then dropped at both servers
+   (``superseded``), so a burst of requests that reached the servers in different orders ends
+   as one job at both. A request at one server only fails after ``agree_timeout``.
 2. **running**: server 0 (:meth:`JobScheduler.lead`) picks the oldest job both servers hold
    as the same request, asks server 1 to start run ``attempt`` (:class:`JobStart`) and runs it
    too; both run Stage II in a fresh 2PC session (``servers.secure.unlearning_jobs``). A run whose
@@ -45,25 +51,42 @@ from servers.daemon.peer_messages import (
     MAX_JOB_ROWS,
     AdoptJob,
     Confirmation,
+    JobAgree,
     JobFail,
     JobReceipt,
     JobRow,
     JobStart,
     PeerState,
+    params_key,
 )
 from servers.secure.ring_aggregation import model_digest
 from servers.daemon.service_state import ServiceState
 from servers.store.share_store import ShareStore
 from servers.secure.unlearning_jobs import job_params, read_result, run_job
 
-__all__ = ["JobScheduler", "JobCancelled", "MAX_JOB_ATTEMPTS", "PENDING"]
+__all__ = ["JobScheduler", "JobCancelled", "MAX_JOB_ATTEMPTS", "PENDING", "MAX_REQUESTED",
+           "ADMIN_PENDING_JOBS", "SUPERSEDED", "job_quota"]
 
 log = logging.getLogger("starfish.server")
 
 #: Runs of a job (2PC sessions lost, crashes) before it fails for good.
 MAX_JOB_ATTEMPTS = 5
-#: Job states during which FL waits.
+#: Job states during which FL waits: agreed by both servers and not ended (``requested`` is not
+#: among them: a request one server alone holds pauses nothing).
 PENDING = frozenset({JobState.QUEUED, JobState.RUNNING, JobState.COMPUTED})
+#: Requests of one requester a server keeps ``requested`` at once. More than one, so that a burst
+#: sent to both servers, arriving in different orders, still has a request both hold; bounded,
+#: so that one-sided requests cost a server at most this many records per requester at a time.
+MAX_REQUESTED = 4
+#: Agreed unlearning jobs the operator may have pending at once (clients: ``limits.max_pending_jobs``).
+ADMIN_PENDING_JOBS = 16
+#: The error of a request dropped because another request of its requester was agreed.
+SUPERSEDED = "superseded"
+
+
+def job_quota(cfg: ServiceConfig, requester: str) -> int:
+    """Agreed jobs ``requester`` may have pending at once."""
+    return ADMIN_PENDING_JOBS if requester == "admin" else cfg.limits.max_pending_jobs
 
 
 class JobCancelled(RuntimeError):
@@ -115,13 +138,15 @@ class JobScheduler:
         self._forget_sizes(c for c, r in self.store.forgotten().items() if r.get("reenrolled_at") is None)
 
     def submit(self, requester: str, targets: Iterable[int], job_id: str) -> JobRecord:
-        """Record a request as a queued job (idempotent for a replayed request)."""
-        return self.store.create_job(requester, targets, job_id=job_id, params=job_params(self.cfg))
+        """Record a request as a requested job (idempotent for a replayed request); it becomes
+        queued when server 0 agrees it with server 1."""
+        return self.store.create_job(requester, targets, job_id=job_id, params=job_params(self.cfg),
+                                     state=JobState.REQUESTED)
 
     def cancel(self, job_id: str, by: str) -> JobRecord:
         """Cancel a job that is not adopted yet; a running run stops at its next round."""
         rec = self.store.job(job_id)
-        if rec.state in (JobState.QUEUED, JobState.COMPUTED):
+        if rec.state in (JobState.REQUESTED, JobState.QUEUED, JobState.COMPUTED):
             return self.store.update_job(job_id, state=JobState.CANCELLED, error=f"cancelled by {by}")
         if rec.state == JobState.RUNNING:
             self._cancel.add(job_id)
@@ -147,7 +172,9 @@ class JobScheduler:
         if picked is None:
             return False
         action, rec, row = picked
-        if action == "adopt":
+        if action == "agree":
+            self._agree(rec)
+        elif action == "adopt":
             self._adopt(rec, self.store.num_rounds + 1)
         else:
             self._run(rec, row)
@@ -179,12 +206,15 @@ class JobScheduler:
         agree = self.cfg.unlearning.agree_timeout
         for jid, o in theirs.items():   # requests that reached server 1 only, or ended here
             m = mine.get(jid)
-            if o.state in (JobState.QUEUED, JobState.COMPUTED) and (
+            if o.state in (JobState.REQUESTED, JobState.QUEUED, JobState.COMPUTED) and (
                     (m is None and now - o.created_at > agree) or (m is not None and m.state in FINISHED)):
                 reason = ("the request reached server 1 only" if m is None
                           else f"server 0 has the job {m.state}: {m.error or ''}")
                 state = JobState.CANCELLED if m is not None and m.state == JobState.CANCELLED else JobState.FAILED
                 self.peer.call(JobFail(jid, reason, state))
+        agreed = self._agreement(mine, theirs, now, agree)
+        if agreed is not None:
+            return agreed
         for jid, m in mine.items():
             if m.state not in (JobState.QUEUED, JobState.COMPUTED):
                 continue
@@ -209,6 +239,52 @@ class JobScheduler:
             return None   # server 1 still runs an abandoned run of it; it notices and re-queues
         return None
 
+    def _agreement(self, mine: Mapping[str, JobRecord], theirs: Mapping[str, JobRow], now: float,
+                   agree: float) -> tuple[str, JobRecord, JobRow] | None:
+        """The next request to agree (held by both servers), in the order server 0 recorded
+        them; on the way, end the requests past ``agree_timeout`` at server 0 only and those of a
+        requester whose quota of agreed jobs is full (``superseded``, at both servers)."""
+        assert self.peer is not None
+        for jid, m in mine.items():
+            o = theirs.get(jid)
+            if not (m.state == JobState.REQUESTED
+                    or (m.state == JobState.QUEUED and o is not None and o.state == JobState.REQUESTED)):
+                continue
+            if o is None:
+                if now - m.created_at > agree:
+                    self.store.update_job(jid, state=JobState.FAILED, error="the request reached server 0 only")
+                continue   # it pauses nothing meanwhile
+            if not o.same_request(m):
+                self.store.update_job(jid, state=JobState.FAILED, error="the servers hold different requests")
+                self.peer.call(JobFail(jid, "the servers hold different requests"))
+                continue
+            if o.state in (JobState.FAILED, JobState.CANCELLED):
+                self.store.update_job(jid, state=o.state, error=f"server 1: {o.error or o.state}")
+                continue
+            if m.state == JobState.REQUESTED:
+                others = [j.id for j in mine.values()
+                          if j.requester == m.requester and j.state in PENDING and j.id != jid]
+                if len(others) >= job_quota(self.cfg, m.requester):
+                    error = f"{SUPERSEDED}: {m.requester} already has the job(s) {others} pending"
+                    self.store.update_job(jid, state=JobState.FAILED, error=error)
+                    self.peer.call(JobFail(jid, error))
+                    continue
+            return "agree", m, o
+        return None
+
+    def _agree(self, rec: JobRecord) -> None:
+        """Agree a request both servers hold: server 1 queues it first, then this server (a
+        lost reply is repaired at the next step: server 1 then shows it queued)."""
+        assert self.peer is not None
+        try:
+            self.peer.call(JobAgree.of(rec))
+        except PeerRefused as exc:
+            log.warning("job %s: server 1 did not agree: %s", rec.id, exc)
+            return
+        if rec.state == JobState.REQUESTED:
+            self.store.update_job(rec.id, state=JobState.QUEUED)
+        log.info("job %s of %s agreed by both servers; FL waits for it", rec.id, rec.requester)
+
     def _run(self, rec: JobRecord, row: JobRow) -> None:
         assert self.peer is not None
         attempt = max(rec.attempts, row.attempts) + 1
@@ -228,6 +304,17 @@ class JobScheduler:
         self._execute(rec, rounds, attempt)
 
     # ------------------------------------------------------------------ server 1: the follower
+    def follow_agree(self, msg: JobAgree) -> None:
+        """Queue a request the leader found at both servers, if this server holds the same one."""
+        rec = self.store.job(msg.job)
+        if (rec.requester, tuple(rec.targets), params_key(rec.params)) != (msg.requester, msg.targets, msg.params):
+            raise ValueError(f"job {rec.id} is another request here")
+        if rec.state in FINISHED:
+            raise RuntimeError(f"job {rec.id} is {rec.state} here")
+        if rec.state == JobState.REQUESTED:
+            self.store.update_job(rec.id, state=JobState.QUEUED)
+            log.info("job %s of %s agreed by both servers; FL waits for it", rec.id, rec.requester)
+
     def follow_start(self, msg: JobStart) -> None:
         """Start the run the leader starts, in a thread (refused if busy or not startable)."""
         jid, rounds = msg.job, msg.rounds

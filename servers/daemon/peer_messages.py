@@ -10,6 +10,7 @@ op                      request                    reply
 ``close_round``         :class:`CloseRound`        :class:`RoundShare` (server 1's share sum, digest)
 ``aggregate_round``     :class:`AggregateRound`    no fields (server 1 joins the robust aggregation's session)
 ``close_robust_round``  :class:`CloseRobustRound`  :class:`ModelDigest` (server 1's model digest)
+``job_agree``           :class:`JobAgree`          no fields (server 1 holds the same request: queued)
 ``job_start``           :class:`JobStart`          no fields
 ``job_fail``            :class:`JobFail`           no fields
 ``job_adopt``           :class:`AdoptJob`          :class:`Confirmation` (server 1's erasure report)
@@ -45,7 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from servers.store.job_records import JobRecord
 
 __all__ = ["GetState", "PeerState", "LastRound", "JobRow", "CloseRound", "RoundShare", "JobStart",
-           "JobFail", "CheckRound", "AggregateRound", "CloseRobustRound", "ModelDigest", "AdoptJob",
+           "JobFail", "CheckRound", "AggregateRound", "CloseRobustRound", "ModelDigest", "AdoptJob", "JobAgree",
            "Confirmation", "JobReceipt", "PeerRequest", "parse_request",
            "params_key", "MAX_JOB_ROWS", "MAX_RECEIPT_BYTES"]
 
@@ -339,6 +340,27 @@ class ModelDigest(_Message):
 
 # ------------------------------------------------------------------ jobs
 @dataclass(frozen=True)
+class JobAgree(_Message):
+    """Server 0 found the same request (id, requester, targets, parameters) recorded at both
+    servers: server 1 moves its record from ``requested`` to ``queued`` (then server 0 does), and
+    from then on FL waits for the job. Until this message a request pauses nothing: each server
+    checked the requester's certificate itself, so neither acts on a request the other lacks
+    (issue 25, finding 2). Server 1 checks the request against its own record, not the leader's
+    word."""
+
+    OP: ClassVar[str] = "job_agree"
+    SCHEMA: ClassVar[Schema] = Schema({"job": text, "requester": text, "targets": _IDS, "params": text})
+    job: str
+    requester: str
+    targets: tuple[int, ...]
+    params: str              # params_key() of the job's public parameters
+
+    @classmethod
+    def of(cls, rec: JobRecord) -> JobAgree:
+        return cls(rec.id, rec.requester, tuple(rec.targets), params_key(rec.params))
+
+
+@dataclass(frozen=True)
 class JobStart(_Message):
     """Server 0 starts run ``attempt`` of job ``job`` on the first ``rounds`` rounds; server 1
     starts it too. The attempt names the run's 2PC session and correction tasks, so nothing
@@ -397,12 +419,12 @@ class JobReceipt(_Message):
     receipt: Mapping[str, Any]
 
 
-PeerRequest = (GetState | CloseRound | CheckRound | AggregateRound | CloseRobustRound | JobStart
-               | JobFail | AdoptJob | JobReceipt)
+PeerRequest = (GetState | CloseRound | CheckRound | AggregateRound | CloseRobustRound | JobAgree
+               | JobStart | JobFail | AdoptJob | JobReceipt)
 #: server 1's requests by op
 _REQUESTS: dict[str, type[_Message]] = {cls.OP: cls for cls in (
-    GetState, CloseRound, CheckRound, AggregateRound, CloseRobustRound, JobStart, JobFail, AdoptJob,
-    JobReceipt)}
+    GetState, CloseRound, CheckRound, AggregateRound, CloseRobustRound, JobAgree, JobStart, JobFail,
+    AdoptJob, JobReceipt)}
 
 
 def parse_request(op: str, msg: Mapping[str, Any], dim: int) -> PeerRequest:

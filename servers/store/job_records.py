@@ -34,6 +34,9 @@ class JobState(str, enum.Enum):
     """State of an unlearning job. A str: ``JobState.DONE == "done"``, and it is stored,
     sent and printed as its value."""
 
+    #: recorded at this server only; not yet agreed with the other server, so FL does not wait
+    #: for it (issue 25: a request sent to one server paused FL on both for agree_timeout)
+    REQUESTED = "requested"
     QUEUED = "queued"
     RUNNING = "running"
     #: the result is written; waiting for both servers to adopt it
@@ -51,10 +54,12 @@ class JobState(str, enum.Enum):
 #: States a job never leaves.
 FINISHED: frozenset[JobState] = frozenset({JobState.DONE, JobState.FAILED, JobState.CANCELLED})
 
-#: The transitions allowed from each state. ``running -> queued`` lets a restarted daemon
+#: The transitions allowed from each state. ``requested -> queued`` is the servers' agreement
+#: (both hold the same request); ``running -> queued`` lets a restarted daemon
 #: re-queue a job its crash interrupted; ``running -> running`` records progress;
 #: ``computed -> queued | running`` re-runs a job whose result the other server lost.
 TRANSITIONS: Mapping[JobState, frozenset[JobState]] = MappingProxyType({
+    JobState.REQUESTED: frozenset({JobState.QUEUED, JobState.CANCELLED, JobState.FAILED}),
     JobState.QUEUED: frozenset({JobState.RUNNING, JobState.CANCELLED, JobState.FAILED}),
     JobState.RUNNING: frozenset({JobState.RUNNING, JobState.QUEUED, JobState.COMPUTED,
                                  JobState.FAILED, JobState.CANCELLED}),
@@ -116,14 +121,18 @@ class JobRecords(StoreCatalog):
 
     @locked
     def create_job(self, requester: str, targets: Iterable[int], *, job_id: str | None = None,
-                   params: Mapping[str, Any] | None = None) -> JobRecord:
-        """Record a new unlearning job in state ``queued``.
+                   params: Mapping[str, Any] | None = None,
+                   state: JobState = JobState.QUEUED) -> JobRecord:
+        """Record a new unlearning job in state ``queued`` (or ``requested``: the daemons record a
+        client's request so until both servers hold it).
 
         Idempotent for a replayed request: the same ``job_id`` with the same requester,
         targets and params returns the stored record; different content raises JobError.
         """
         if not isinstance(requester, str) or not 0 < len(requester) <= 256:
             raise JobError("requester must be a non-empty string of at most 256 characters")
+        if state not in (JobState.QUEUED, JobState.REQUESTED):
+            raise JobError(f"a new job is queued or requested, not {state}")
         tgt = check.participants(targets)
         params_json = check.metadata(params)
         jid = secrets.token_hex(8) if job_id is None else job_id
@@ -140,7 +149,7 @@ class JobRecords(StoreCatalog):
         with self._txn() as c:
             c.execute(f"INSERT INTO jobs({_COLUMNS}) VALUES (?, ?, ?, ?, ?, 0.0, NULL, NULL, ?, ?, "
                       "0, NULL, NULL)",
-                      (jid, requester, json.dumps(list(tgt)), params_json, JobState.QUEUED.value,
+                      (jid, requester, json.dumps(list(tgt)), params_json, JobState(state).value,
                        now, now))
         rec = self._job_row(jid)
         assert rec is not None

@@ -59,11 +59,12 @@ def test_unlearning_jobs_survive_reopen_and_follow_their_state_machine(tmp_path)
 
 
 def test_job_states_are_the_strings_the_service_uses():
-    assert [s.value for s in JobState] == ["queued", "running", "computed", "done", "failed",
-                                           "cancelled"]
+    assert [s.value for s in JobState] == ["requested", "queued", "running", "computed", "done",
+                                           "failed", "cancelled"]
     assert FINISHED == {"done", "failed", "cancelled"}
     assert "done" in FINISHED and "running" not in FINISHED and "computed" not in FINISHED
     assert {s for s, nxt in TRANSITIONS.items() if not nxt} == FINISHED
+    assert TRANSITIONS[JobState.REQUESTED] == {"queued", "cancelled", "failed"}
     assert TRANSITIONS[JobState.QUEUED] == {"running", "cancelled", "failed"}
     assert TRANSITIONS["running"] == {"running", "queued", "computed", "failed", "cancelled"}
     assert TRANSITIONS["computed"] == {"done", "queued", "running", "failed", "cancelled"}
@@ -88,12 +89,13 @@ def test_records_carry_a_job_state_and_accept_strings_or_states(tmp_path):
 def test_every_transition_is_allowed_or_refused_as_the_table_says(tmp_path):
     """Walk each (from, to) pair on a fresh job; the oracle is the table in the docs."""
     allowed = {  # docs/share_store.md, "API"
+        "requested": {"queued", "cancelled", "failed"},
         "queued": {"running", "cancelled", "failed"},
         "running": {"running", "queued", "computed", "failed", "cancelled"},
         "computed": {"done", "queued", "running", "failed", "cancelled"},
         "done": set(), "failed": set(), "cancelled": set(),
     }
-    path_to = {"queued": [], "running": ["running"], "computed": ["running", "computed"],
+    path_to = {"requested": [], "queued": [], "running": ["running"], "computed": ["running", "computed"],
                "done": ["running", "computed", "done"], "failed": ["failed"],
                "cancelled": ["cancelled"]}
     with new_store(tmp_path / "s", 0) as store:
@@ -102,7 +104,8 @@ def test_every_transition_is_allowed_or_refused_as_the_table_says(tmp_path):
             for dst in allowed:
                 n += 1
                 jid = f"j{n}"
-                store.create_job("admin", [1], job_id=jid)
+                store.create_job("admin", [1], job_id=jid,
+                                 state=JobState.REQUESTED if src == "requested" else JobState.QUEUED)
                 for step in path_to[src]:
                     store.update_job(jid, state=step)
                 assert store.job(jid).state == src

@@ -3,8 +3,9 @@
 Against real daemons on loopback: an upload claiming more samples than the deployment's cap
 is refused at the door (it used to be staged and make server 1 refuse every round close,
 forever); the operator can list and drop staged uploads; a client sending faster than its
-token bucket gets ``rate_limited`` while another client is served; a client gets one pending
-unlearning job at a time.
+token bucket gets ``rate_limited`` while another client is served; a client gets a bounded
+number of unlearning requests waiting for the other server, and a cool-down after one ended
+without adoption.
 """
 
 from __future__ import annotations
@@ -115,15 +116,21 @@ def test_a_client_has_one_pending_job_at_a_time(dep):
             while c.call("state")["T"] < 1 or c1.call("state")["T"] < 1:
                 assert time.monotonic() < deadline, dep.log("server0")
                 time.sleep(0.2)
-        assert c.call("unlearn", job="first-2")["state"] == "queued"   # server 0 only: no run
-        assert c.call("unlearn", job="first-2")["state"] == "queued"   # a replay is no new job
+        # sent to server 0 only: recorded as `requested`, no run, FL not paused (issue 25, 2)
+        assert c.call("unlearn", job="first-2")["state"] == "requested"
+        assert c.call("unlearn", job="first-2")["state"] == "requested"   # a replay is no new job
+        for k in range(2, 5):           # at most MAX_REQUESTED = 4 waiting for the other server
+            assert c.call("unlearn", job=f"req-{k}")["state"] == "requested"
         with pytest.raises(ServiceError) as e:
             c.call("unlearn", job="second-2")
         assert e.value.code == "rate_limited" and "first-2" in e.value.message
-        assert admin.call("cancel_job", job="first-2")["state"] == "cancelled"
-        assert c.call("unlearn", job="second-2")["state"] == "queued"
-        admin.call("cancel_job", job="second-2")
-
+        assert not c.call("state")["paused"]
+        for job in ("first-2", "req-2", "req-3", "req-4"):
+            assert admin.call("cancel_job", job=job)["state"] == "cancelled"
+        with pytest.raises(ServiceError) as e:    # ended without adoption: the client's cool-down
+            c.call("unlearn", job="second-2")
+        assert e.value.code == "rate_limited" and "request_cooldown" in e.value.message
+        assert c.call("unlearn", job="first-2")["state"] == "cancelled"   # a replay is answered
 
 def test_private_files_of_a_running_server_are_private(dep):
     for p in (0, 1):
