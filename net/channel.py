@@ -88,6 +88,7 @@ class Channel:
         self.timeout = timeout
         self.label = label
         self.peer = ""
+        self.peer_cert: dict | None = None
         self._sock = sock
         self._send_sock = sock.dup()  # own timeout for sends; the reader blocks freely
         self._send_sock.settimeout(timeout)
@@ -194,7 +195,8 @@ class Channel:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             self._handshake()
-            name = tls.peer_name(self._ssl.getpeercert())
+            cert = self._ssl.getpeercert()
+            name = tls.peer_name(cert)
             if not check(name):
                 raise tls.IdentityError(f"peer identified as {name!r}, expected {wanted}")
         except (ssl.SSLError, OSError, PeerDisconnected) as exc:
@@ -202,6 +204,7 @@ class Channel:
             self._send_sock.close()
             raise HandshakeError(f"{self.label}: TLS handshake failed: {exc}") from exc
         self.peer = name
+        self.peer_cert = cert   # the verified certificate (its serial: revocation of open channels)
         self._asm.key = name  # the budget is kept per identity
         self.label = f"{self.kind} channel to {name}"
         self._sock.settimeout(None)

@@ -219,6 +219,59 @@ class _RevocationAwareContext(ssl.SSLContext):
         return ssl.SSLContext.wrap_socket(self._current(), sock, *args, **kwargs)
 
 
+class RevocationWatch:
+    """The serials on a key directory's ``crl.pem``, re-read when the file changes, for the
+    connections that are already open: the contexts above check the CRL inside each *new*
+    handshake only, so a revoked client's open connection used to be served on (issue 25,
+    finding 6: 151 s after ``keys revoke`` its upload was committed). The same rules as the
+    contexts: the list must be signed by the CA, an older list number is ignored (no
+    un-revoking by copying back an old file), and an unusable file fails closed (every serial
+    counts as revoked until it is fixed, as every handshake fails meanwhile).
+    """
+
+    def __init__(self, keys_dir: str | os.PathLike) -> None:
+        d = Path(keys_dir)
+        self._ca, self._crl = d / CA_CERT_FILE, d / CRL_FILE
+        self._lock = threading.Lock()
+        self._seen: tuple[int, int, int] | None = None
+        self._number = -1
+        self._serials: frozenset[int] = frozenset()
+        self._broken = False
+        #: counts the changes seen, so that several callers each notice every change
+        self.generation = 0
+        self.refresh()
+
+    def refresh(self) -> bool:
+        """Re-read the list if the file changed (one ``stat`` otherwise); whether it changed."""
+        seen = _file_key(self._crl)
+        with self._lock:
+            if seen == self._seen:
+                return False
+            self._seen = seen
+            try:
+                crl = _verified_crl(self._ca, self._crl)
+                number = _ca.crl_number(crl)
+            except (OSError, ValueError) as exc:
+                log.error("%s: cannot use the revocation list (%s); open connections are closed "
+                          "until it is fixed", self._crl, exc)
+                self._broken = True
+                self.generation += 1
+                return True
+            self._broken = False
+            if number < self._number:
+                return False
+            self._number = number
+            self._serials = frozenset(_ca.revoked_serials(crl))
+            self.generation += 1
+            return True
+
+    def revoked(self, cert: dict | None) -> bool:
+        """Whether a peer's certificate (``getpeercert()``) is revoked by the current list."""
+        if self._broken or not cert:
+            return True
+        return int(cert["serialNumber"], 16) in self._serials
+
+
 def _tracking_context(ident: Identity, server_side: bool) -> ssl.SSLContext:
     seen = _file_key(ident.crl)
     # a bad list at start-up is an error to fix, not a reason to run refusing everyone

@@ -74,6 +74,9 @@ ADMIN_OPS = frozenset({"state", "get_model", "round_info", "unlearn", "job_statu
 ONLY_ADMIN_OPS = frozenset({"cancel_job", "reenrol", "staged", "drop_staged"})
 #: What a forgotten client may still do: read public state and its own jobs (the receipt).
 FORGOTTEN_OPS = frozenset({"state", "get_model", "round_info", "job_status", "status"})
+#: Seconds between two looks at ``crl.pem`` for open connections (issue 25, finding 6): a revoked
+#: identity's open connections are closed within this (plus the close itself) of the file changing.
+REVOCATION_POLL = 1.0
 #: The result fields ``job_status`` shows of a finished job.
 RESULT_FIELDS = ("rounds", "attempt", "selected_rounds", "flags", "correction_steps", "warmup_steps", "wall_seconds",
                  "model_sha256", "client_exact_updates", "absent_answers", "client_missed_answers",
@@ -116,9 +119,15 @@ class ClientAPI:
             "staged": self._op_staged, "drop_staged": self._op_drop_staged,
         }
         self._buckets: dict[str, TokenBucket] = {}
+        # open authenticated connections, so that a revocation reaches them too (net.tls checks
+        # the CRL inside new handshakes only)
+        self._revocations = tls.RevocationWatch(cfg.keys_dir)
+        self._open: set[Channel] = set()
+        self._open_guard = threading.Lock()
 
     # ------------------------------------------------------------------ connections
     def serve_forever(self) -> None:
+        threading.Thread(target=self._watch_revocations, name="revocations", daemon=True).start()
         accept_loop(self._listener, self._serve_client, self.stop_event, name="client",
                     admission=self._admission)
 
@@ -143,6 +152,8 @@ class ClientAPI:
             refuse(ch, wire.error_reply(None, "unavailable", str(exc)),
                    wait=self._admission.handshake_timeout)
             return
+        with self._open_guard:
+            self._open.add(ch)
         try:
             while not self.stop_event.is_set():
                 try:
@@ -153,14 +164,39 @@ class ClientAPI:
                     ch.send_frame(KIND_OBJECT, wire.error_reply(
                         None, "bad_request", f"{exc} (requests are msgpack object frames)"))
                     continue
+                self._revocations.refresh()   # one stat: no request is served past a revocation
+                if self._revocations.revoked(ch.peer_cert):
+                    log.warning("%s: certificate revoked; request refused, connection closed", who)
+                    ch.send_frame(KIND_OBJECT, wire.error_reply(
+                        None, "unauthorized", f"the certificate of {who} is revoked"))
+                    break
                 ch.send_frame(KIND_OBJECT, self.handle(who, buf))
         except PeerTimeout:
             log.debug("%s: idle connection closed", who)
         except ChannelError as exc:
             log.debug("%s: connection ended: %s", who, exc)
         finally:
+            with self._open_guard:
+                self._open.discard(ch)
             ch.close()
             slot.close()
+
+    def _watch_revocations(self) -> None:
+        """Close the open connections of revoked certificates when ``crl.pem`` changes."""
+        seen = self._revocations.generation
+        while not self.stop_event.wait(REVOCATION_POLL):
+            try:
+                self._revocations.refresh()
+                if self._revocations.generation == seen:   # a request may have read it first
+                    continue
+                seen = self._revocations.generation
+                with self._open_guard:
+                    gone = [ch for ch in self._open if self._revocations.revoked(ch.peer_cert)]
+                for ch in gone:
+                    log.warning("%s: certificate revoked; open connection closed", ch.peer)
+                    ch.close()   # its serving thread ends on the closed channel
+            except Exception:  # noqa: BLE001 - keep watching; the log has the cause
+                log.exception("revocation watch failed")
 
     # ------------------------------------------------------------------ requests
     def _identity_lock(self, who: str) -> threading.Lock:
