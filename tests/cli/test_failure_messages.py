@@ -127,9 +127,10 @@ def test_6_help_loads_no_torch_and_no_benchmark():
 # ------------------------------------------------------------------ 2, 4, 6 against running daemons
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """Both servers in dealer mode, no dealer; 3 clients expected, no deadline within the tests."""
+    """Both servers in dealer mode, no dealer; 3 clients expected, a 5 s deadline: from then on
+    the leader tries the round's range check, and waits for the dealer inside its session."""
     dep = Deployment(tmp_path_factory.mktemp("servers"), clients=3,
-                     overrides={"fl": {"rounds": 3, "clients_expected": 3, "round_deadline": 3600.0}})
+                     overrides={"fl": {"rounds": 3, "clients_expected": 3, "round_deadline": 5.0}})
     dep.start_server(1)
     dep.start_server(0)
     try:
@@ -194,16 +195,19 @@ def test_admin_staged_lists_and_drop_staged_withdraws(servers):
     assert proc.returncode == 0, proc.stderr
     assert "server0: round 1: 3 uploads staged" in proc.stdout, proc.stdout
     assert "client 0, staged_at" in proc.stdout and "num_samples 10" in proc.stdout
-    proc = run(["admin", "drop-staged", "2", "--config", servers.config_path])
+    proc = run(["admin", "drop-staged", "1", "--config", servers.config_path])
     assert proc.returncode == 0, proc.stderr
-    assert "server0: round 1, dropped [2]" in proc.stdout and "server1: round 1, dropped [2]" in proc.stdout
+    assert "server0: round 1, dropped [1]" in proc.stdout and "server1: round 1, dropped [1]" in proc.stdout
     proc = run(["admin", "drop-staged", "--config", servers.config_path])
     assert proc.returncode == 2 and "needs a target: the client id" in one_line(proc.stderr)
 
 
 # ------------------------------------------------------------------ 5. a clean stop (last: it stops server 0)
 def test_5_sigint_stops_a_server_quickly_and_nothing_is_logged_after_it_stopped(servers):
+    # client 2 reached both servers: past the deadline the leader is inside the round's range
+    # check, waiting for the dealer, when the signal comes (the case that took 7.5 s)
     proc = servers.procs.procs["server0"]
+    time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 0
     log0 = (servers.root / "logs" / "server0.log").read_text()
@@ -213,4 +217,4 @@ def test_5_sigint_stops_a_server_quickly_and_nothing_is_logged_after_it_stopped(
     assert len(tail) == 2 and "server0 stopped" in tail[1], tail
     # the daemon's own stop, from its log (the interpreter's exit after it depends on the load)
     t0, t1 = (datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f") for line in tail)
-    assert (t1 - t0).total_seconds() < 2.0, tail
+    assert (t1 - t0).total_seconds() < 4.0, tail
