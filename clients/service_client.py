@@ -109,11 +109,14 @@ class ServiceClient:
             buf = self._guarded(lambda: self._exchange(kind, payload))
         return wire.unpack(buf, self.max_bytes)
 
-    def call(self, op: str, *, retry_seconds: float = 0.0, **fields: Any) -> dict:
+    def call(self, op: str, *, retry_seconds: float = 0.0, retry_unavailable: bool = False,
+             **fields: Any) -> dict:
         """One request; returns the reply map or raises ServiceError / ChannelError.
 
         With ``retry_seconds`` > 0 a connection failure is retried on a new connection until
-        that many seconds have passed; a reply (ok or ServiceError) is final. A mutating
+        that many seconds have passed; a reply (ok or ServiceError) is final, except, with
+        ``retry_unavailable``, an ``unavailable`` one (a server out of disk space or
+        connections: nothing was stored), which is re-sent the same way. A mutating
         request whose ``nonce`` the caller chose is sent once: re-sending the same nonce after
         a break could only be refused as a replay, or would hide which attempt arrived.
         """
@@ -125,6 +128,10 @@ class ServiceClient:
                 return self._call_once(op, fields)
             except ChannelError:
                 if time.monotonic() + delay > deadline:
+                    raise
+            except ServiceError as exc:
+                if not (retry_unavailable and exc.code == "unavailable") or pinned \
+                        or time.monotonic() + delay > deadline:
                     raise
             time.sleep(delay)   # a restarting server: nothing to poll but the socket
             delay = min(1.0, delay * 2)

@@ -193,7 +193,9 @@ class Simulator:
 
     # ------------------------------------------------------------------ helpers
     def _call(self, c: SimulatedClient, party: int, op: str, **fields: Any) -> dict:
-        return c.conns[party].call(op, retry_seconds=self.retry, **fields)
+        # `unavailable` (a server's disk full, its connections full) is retried like a restart:
+        # nothing was stored (issue 25, finding 8: the clients used to exit on it)
+        return c.conns[party].call(op, retry_seconds=self.retry, retry_unavailable=True, **fields)
 
     def _both(self, c: SimulatedClient, op: str, **fields: Any) -> tuple[dict, dict]:
         return self._call(c, 0, op, **fields), self._call(c, 1, op, **fields)

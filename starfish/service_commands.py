@@ -259,7 +259,17 @@ def cmd_unlearn(args: argparse.Namespace) -> int:
         return _fail("unlearn", exc)
     try:
         for p, c in enumerate(conns):
-            rep = c.call("unlearn", retry_seconds=args.connect_timeout, **fields)
+            try:
+                rep = c.call("unlearn", retry_seconds=args.connect_timeout, **fields)
+            except ServiceError as exc:
+                # after the adoption the client is forgotten and a (re-sent) request is refused
+                # so; the job it names is then the answer (issue 25, 8: exited 1 with "forgotten")
+                if exc.code != "forgotten" or not args.job:
+                    raise
+                try:
+                    rep = c.call("job_status", retry_seconds=args.connect_timeout, job=fields["job"])
+                except ServiceError:
+                    raise exc from None
             print(f"server{p}: job {rep['job']} {rep['state']}")
         if args.wait:
             deadline = time.monotonic() + args.wait

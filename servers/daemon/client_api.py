@@ -25,8 +25,10 @@ public state and its own jobs' status, until the operator re-enrols it (recorded
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
+import sqlite3
 import ssl
 import threading
 import time
@@ -81,6 +83,20 @@ REVOCATION_POLL = 1.0
 RESULT_FIELDS = ("rounds", "attempt", "selected_rounds", "flags", "correction_steps", "warmup_steps", "wall_seconds",
                  "model_sha256", "client_exact_updates", "absent_answers", "client_missed_answers",
                  "client_refused_answers", "correction_wait_seconds", "replay_rules", "meters")
+
+
+def _disk_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) says the disk or quota is full:
+    ENOSPC/EDQUOT from a file write, SQLITE_FULL from the catalog or the sidecar."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(exc, sqlite3.Error) and (getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+                                               or "database or disk is full" in str(exc)):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 class ClientAPI:
@@ -206,6 +222,7 @@ class ClientAPI:
     def handle(self, who: str, buf: bytes | bytearray) -> bytes:
         """Answer one request of identity ``who``: a reply frame, never an exception."""
         msg_id = None
+        req = None
         try:
             if not self._bucket(who).take():
                 raise wire.WireError("rate_limited", f"more than {self.cfg.limits.requests_per_second:g} "
@@ -236,9 +253,16 @@ class ClientAPI:
             return wire.error_reply(msg_id, "closed", str(exc))
         except JobError as exc:
             return wire.error_reply(msg_id, "conflict", str(exc))
-        except (ValueError, TypeError) as exc:
-            return wire.error_reply(msg_id, "bad_request", str(exc))
-        except Exception:  # noqa: BLE001 - the client gets a reply, the log the traceback
+        except Exception as exc:  # noqa: BLE001 - the client gets a reply, the log the traceback
+            if _disk_full(exc):
+                # retryable (issue 25, finding 8: was `internal`, and the simulated clients exited):
+                # the store's transactions and blob writes leave nothing half-written behind
+                log.error("request %s from %s: the disk is full (%s); answered unavailable",
+                          getattr(req, "op", "?"), who, exc)
+                return wire.error_reply(msg_id, "unavailable", f"server {self.party} is out of disk "
+                                        "space; nothing was stored; retry later")
+            if isinstance(exc, (ValueError, TypeError)):
+                return wire.error_reply(msg_id, "bad_request", str(exc))
             log.exception("request from %s failed", who)
             return wire.error_reply(msg_id, "internal", "internal error (see the server log)")
 
