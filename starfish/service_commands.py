@@ -505,10 +505,10 @@ def add_commands(sub: Any) -> None:
                                      "ROUND FL rounds are committed, or CLIENT after training "
                                      "(e.g. 3@20,5)")
     c.add_argument("--until", choices=("training", "jobs", "never"),
-                   help="when to exit: training (the default without --unlearn): once the FL rounds "
-                        "are over; jobs (the default with --unlearn): also once every requested "
-                        "unlearning job ended, answering correction tasks meanwhile; never: keep "
-                        "answering correction tasks until stopped")
+                   help="when to exit: training (default): once the FL rounds are over and every "
+                        "unlearning job these clients requested (--unlearn) has ended, answering "
+                        "correction tasks meanwhile; jobs: an older name of the same; never: keep "
+                        "answering correction tasks (also for the operator's jobs) until stopped")
     c.add_argument("--twin-dir", help="write the plaintext twin history here (a new directory)")
     c.add_argument("--summary", help="write a JSON summary here")
     c.add_argument("--seed", type=int, help="data split and batch-order seed ([clients] seed)")
