@@ -65,6 +65,52 @@ _UNBATCHABLE = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd, 
                 nn.GroupNorm, nn.LocalResponseNorm)
 
 
+class _UnfoldConv2d(nn.Module):
+    """A ``Conv2d`` computed as a matmul over unfolded patches, with the same parameters.
+
+    Why: under ``vmap`` a convolution with per-client weights becomes one grouped convolution
+    (K groups), and on the CPU the backward of a grouped convolution with few input channels is
+    slow: for the paper CNN's first layer (1 channel, 5x5) one batched step of 8 clients took
+    3.9 s with it and 2.1 s with this form (2 shared cores; 6.9 s one client after another).
+    As ``weight @ unfold(x)``, ``vmap`` turns it into one batched matmul. Only the template used
+    by the batched trainer on the CPU is changed, never a client's model.
+    """
+
+    def __init__(self, conv: nn.Conv2d) -> None:
+        super().__init__()
+        self.weight = conv.weight
+        self.bias = conv.bias
+        self.kernel_size, self.stride = conv.kernel_size, conv.stride
+        self.padding, self.dilation = conv.padding, conv.dilation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, _c, h, w = x.shape
+        cols = F.unfold(x, self.kernel_size, dilation=self.dilation, padding=self.padding,
+                        stride=self.stride)                          # (n, c*kh*kw, L)
+        out = self.weight.reshape(self.weight.shape[0], -1) @ cols    # (n, out, L)
+        if self.bias is not None:
+            out = out + self.bias.reshape(1, -1, 1)
+        side = [(size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
+                zip((h, w), self.padding, self.dilation, self.kernel_size, self.stride)]
+        return out.reshape(n, -1, *side)
+
+
+#: Convolutions whose patches have at most this many values are unfolded on the CPU (the paper
+#: CNN's first layer has 25; its second, 800, is faster as a grouped convolution).
+_UNFOLD_MAX_PATCH = 64
+
+
+def _unfold_small_convs(model: nn.Module) -> nn.Module:
+    for name, child in list(model.named_children()):
+        if (type(child) is nn.Conv2d and child.groups == 1 and child.padding_mode == "zeros"
+                and not isinstance(child.padding, str)
+                and child.in_channels * child.kernel_size[0] * child.kernel_size[1] <= _UNFOLD_MAX_PATCH):
+            setattr(model, name, _UnfoldConv2d(child))
+        else:
+            _unfold_small_convs(child)
+    return model
+
+
 def batchable(model: nn.Module) -> bool:
     """Whether the batched step computes what the sequential loop does for ``model``."""
     if any(True for _ in model.buffers()):
@@ -183,8 +229,12 @@ class ClientTrainer:
         return steps_for(int(n), int(bs), job.epochs) if bs else 1
 
     def _template(self, key: tuple) -> nn.Module:
+        """The architecture whose parameters the batched step swaps in (its own values unused)."""
         if key not in self._templates:
-            self._templates[key] = key[0]().to(key[1])
+            model = key[0]().to(key[1])
+            if key[1].type == "cpu" and batchable(model):
+                model = _unfold_small_convs(model)
+            self._templates[key] = model
         return self._templates[key]
 
     def _group_data(self, key: tuple, cores: list[LocalClient]) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]]:

@@ -127,6 +127,29 @@ def test_paper_cnn_topology_batched_in_float64(k, n, bs, seed):
     assert_same_uploads(seq, train_clients(cores, start, 2, mode="batched"), rtol=1e-9)
 
 
+class StridedCNN(nn.Module):
+    """Convolutions with stride, padding and dilation (the unfolded form must honour them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(1, 3, 3, stride=2, padding=1), nn.Tanh(),
+                                 nn.Conv2d(3, 4, 2, dilation=2, bias=False), nn.Tanh(),
+                                 nn.Flatten(), nn.Linear(4 * 2 * 2, 3))
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@given(k=st.integers(2, 3), n=st.integers(3, 12), bs=st.integers(2, 5), seed=st.integers(0, 999))
+def test_strided_padded_dilated_convolutions_batched(k, n, bs, seed):
+    cores = make_clients([n + j for j in range(k)], [bs] * k, [0.1] * k, StridedCNN, (1, 8, 8),
+                         3, seed, epochs=2.0)
+    start = flatten_params(StridedCNN())
+    seq = {c.client_id: c.train(start, 5) for c in cores}
+    assert_same_uploads(seq, train_clients(cores, start, 5, mode="batched"), rtol=1e-9)
+
+
 @pytest.mark.parametrize("name,shape", [("logreg", (1, 8, 8)), ("mlp", (1, 8, 8)),
                                         ("cnn", (1, 28, 28)), ("cnn-extra-fc", (1, 28, 28))])
 def test_production_models_float32_one_epoch_of_two_steps(name, shape):
