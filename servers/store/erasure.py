@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,27 @@ log = logging.getLogger("starfish.store")
 
 #: ``meta`` key set by an erasure's transaction and cleared once the catalog is compacted.
 COMPACT_FLAG = "compact_pending"
+
+
+def renormalised(weights: Mapping[int, float], sizes: Any) -> dict[int, float]:
+    """The remaining clients' FedAvg weights over themselves (issue 25, finding 5).
+
+    Kept as stored, w_j = |D_j| / N with the erased clients' sizes in N, they summed to
+    1 - |D_erased| / N; with the remaining |D_j| public (``round_info``) that gave N and hence
+    the erased |D_j| exactly. Renormalised they say nothing about it: |D_j| / sum of the remaining
+    |D_j| where the round records the sizes (exact integers; both servers get the same floats),
+    else w_j / the sum of the remaining w_j. Stage II renormalises over the clients present in a
+    replayed round anyway, so the replay does not change.
+    """
+    if not weights:
+        return {}
+    if isinstance(sizes, dict) and all(str(j) in sizes for j in weights):
+        n = {j: int(sizes[str(j)]) for j in weights}
+        total = sum(n.values())
+        if total > 0:
+            return {j: n[j] / total for j in sorted(weights)}
+    total_w = math.fsum(weights[j] for j in sorted(weights))
+    return {j: weights[j] / total_w for j in sorted(weights)} if total_w > 0 else dict(weights)
 
 
 @dataclass(frozen=True)
@@ -237,8 +259,8 @@ class ErasureLog(StoreCatalog):
 
     def _rewrite_round(self, c: sqlite3.Connection, r: int, gone: set[int]) -> None:
         """Round r without the clients in ``gone``: participants, metadata (their
-        ``num_samples`` dropped, ``erased`` extended) and content hash rewritten; the
-        remaining weights are kept as stored (not renormalised)."""
+        ``num_samples`` dropped, ``erased`` extended), the remaining weights renormalised over
+        the remaining clients (``renormalised``) and the content hash rewritten."""
         model_blob, parts_json, meta_json, content_hash = c.execute(
             "SELECT model_blob, participants, metadata, content_hash FROM rounds WHERE round = ?",
             (r,)).fetchone()
@@ -262,6 +284,11 @@ class ErasureLog(StoreCatalog):
         earlier = {x for x in prev if isinstance(x, int) and not isinstance(x, bool)} \
             if isinstance(prev, list) else set()
         meta["erased"] = sorted(earlier | erased)
+        if erased:
+            weights = renormalised({j: weights[j] for j in keep}, meta.get("num_samples"))
+            refs = {j: refs[j] for j in keep}
+            for j, w in weights.items():
+                c.execute("UPDATE round_shares SET weight = ? WHERE round = ? AND client = ?", (w, r, j))
         new_meta = _canonical(meta)
         c.execute("UPDATE rounds SET participants = ?, metadata = ?, content_hash = ? "
                   "WHERE round = ?",

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from servers.store.erasure import renormalised
 from servers.store.share_store import ClientShares, ShareStore
 from tests.helpers.store_helpers import DIM
 
@@ -102,7 +103,8 @@ class _Keep:
 
 
 def expected_after(sp: dict[str, Any], r: int) -> tuple[list[int], dict[int, float], dict]:
-    """Round r as the erasure must leave it: participants, weights (as stored), metadata."""
+    """Round r as the erasure must leave it: participants, weights (renormalised where a
+    client was erased), metadata."""
     rd = sp["rounds"][r]
     parts = [c for c in rd["parts"] if c not in FORGOTTEN]
     erased = sorted(c for c in rd["parts"] if c in FORGOTTEN)
@@ -111,7 +113,10 @@ def expected_after(sp: dict[str, Any], r: int) -> tuple[list[int], dict[int, flo
         meta["num_samples"] = {k: v for k, v in rd["meta"]["num_samples"].items()
                                if int(k) not in FORGOTTEN}
         meta["erased"] = erased
-    return parts, {c: rd["weights"][c] for c in parts}, meta
+    weights = {c: rd["weights"][c] for c in parts}
+    if erased:   # renormalised over the remaining clients (issue 25, 5): no trace of the erased |D_j|
+        weights = renormalised(weights, meta["num_samples"])
+    return parts, weights, meta
 
 
 def blob_count_after(sp: dict[str, Any]) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import math
 import sqlite3
 import subprocess
 import sys
@@ -55,7 +56,14 @@ def assert_after(root: Path, sp: dict, party: int) -> None:
         for r, rd in sp["rounds"].items():
             parts, weights, meta = expected_after(sp, r)
             assert store.participants(r) == tuple(parts)
-            assert dict(store.weights(r)) == weights  # as stored, not renormalised
+            assert dict(store.weights(r)) == weights  # renormalised where a client was erased
+            if set(rd["parts"]) & set(FORGOTTEN) and parts:
+                # the erased |D_j| is not recoverable: the remaining weights sum to 1, and are
+                # the remaining (public) sizes over their own sum
+                sizes = meta["num_samples"]
+                assert math.isclose(sum(store.weights(r).values()), 1.0, rel_tol=1e-12)
+                total = sum(sizes[str(c)] for c in parts)
+                assert all(store.weights(r)[c] == sizes[str(c)] / total for c in parts)
             assert store.metadata(r) == meta
             assert np.array_equal(store.model(r), rd["model"])
             for c in parts:
