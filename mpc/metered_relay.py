@@ -11,6 +11,10 @@ Link emulation is on the receiving pumps only (as in ``net.link``): a chunk read
 written on at ``max(t, link free) + bytes x 8 / bandwidth + latency`` by a second thread, so
 chunks in flight overlap as on a FIFO link. A round is counted when this party sends after it
 has received (or when a meter step opened since), as ``net.channel`` counts them.
+
+The relays also watch the peer (``_PeerWatch``): once the link is up, the peer closing every
+peer-facing connection means its engine process is gone, and a long-lived engine's parent
+(``mpc.spu_engine``) then fails the call in flight at once instead of at the library's timeout.
 """
 
 from __future__ import annotations
@@ -63,12 +67,47 @@ class _RoundState:
         self.meter.wire(kind, received=n)
 
 
+class _PeerWatch:
+    """Shared by a party's relays: the peer-facing connections that are open, and who is told
+    when the peer has closed the last of them (its engine is gone: a dead process's kernel closes
+    all its sockets). Armed only once the link is up: while the library is still connecting,
+    its attempts may be closed by the peer's relay for want of a listener, which is no loss."""
+
+    def __init__(self, on_peer_closed: Callable[[], None] | None):
+        self._on_peer_closed = on_peer_closed
+        self._lock = threading.Lock()
+        self._open = 0
+        self._armed = False
+
+    def arm(self) -> None:
+        with self._lock:
+            self._armed = True
+
+    def opened(self) -> None:
+        with self._lock:
+            self._open += 1
+
+    def closed(self, by_peer: bool) -> None:
+        with self._lock:
+            self._open -= 1
+            fire = by_peer and self._open == 0 and self._armed and self._on_peer_closed is not None
+        if fire:
+            self._on_peer_closed()
+
+
 class Relay:
     """Accepts on a loopback port and forwards every connection to ``target``."""
 
     def __init__(self, target: tuple[str, int] | None, state: _RoundState, *, inbound: bool,
-                 link: LinkProfile = NO_LINK, host: str = "127.0.0.1", port: int = 0):
-        """``target`` may be set later (``set_target``); connections wait for it up to 60 s."""
+                 link: LinkProfile = NO_LINK, host: str = "127.0.0.1", port: int = 0,
+                 watch: _PeerWatch | None = None):
+        """``target`` may be set later (``set_target``); connections wait for it up to 60 s.
+
+        ``watch`` learns of every peer-facing connection and whether the peer or our side ended
+        it: how a long-lived engine learns, while it waits inside a call, that the peer's engine
+        is gone, instead of waiting for the library's receive timeout.
+        """
+        self._watch = watch or _PeerWatch(None)
         self._target = target
         self._target_set = threading.Event()
         if target is not None:
@@ -112,38 +151,52 @@ class Relay:
             with self._lock:
                 self._socks += [conn, out]
                 self._peer_socks.append(conn if self._inbound else out)
+            self._watch.opened()
             # the accepted side of an inbound relay is the peer: its bytes are received here
-            self._pump(conn, out, received=self._inbound)
-            self._pump(out, conn, received=not self._inbound)
+            local_closed = threading.Event()   # our own library ended this connection first
+            self._pump(conn, out, received=self._inbound, local_closed=local_closed)
+            self._pump(out, conn, received=not self._inbound, local_closed=local_closed)
 
-    def _pump(self, src: socket.socket, dst: socket.socket, *, received: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, *, received: bool,
+              local_closed: threading.Event) -> None:
         if received and self._link.emulated:
             queue: collections.deque = collections.deque()
             ready = threading.Condition()
-            threading.Thread(target=self._read, args=(src, dst, queue, ready), daemon=True,
+            threading.Thread(target=self._read, args=(src, dst, queue, ready, local_closed), daemon=True,
                              name="relay-read").start()
-            threading.Thread(target=self._deliver, args=(dst, src, queue, ready), daemon=True,
+            threading.Thread(target=self._deliver, args=(dst, src, queue, ready, local_closed), daemon=True,
                              name="relay-deliver").start()
         else:
-            threading.Thread(target=self._copy, args=(src, dst, received), daemon=True,
+            threading.Thread(target=self._copy, args=(src, dst, received, local_closed), daemon=True,
                              name="relay-copy").start()
+
+    def _peer_pump_ended(self, local_closed: threading.Event) -> None:
+        """The pump reading from the peer is done (once per connection, however it ended)."""
+        self._watch.closed(by_peer=not local_closed.is_set() and not self._stop.is_set())
 
     def _count(self, n: int, received: bool) -> None:
         (self._state.on_received if received else self._state.on_sent)(n)
 
-    def _copy(self, src: socket.socket, dst: socket.socket, received: bool) -> None:
+    def _copy(self, src: socket.socket, dst: socket.socket, received: bool, local_closed: threading.Event) -> None:
+        reading = True   # False while writing: a failed write is the other side's end
         try:
             while True:
                 data = src.recv(_CHUNK)
                 if not data:
                     break
                 self._count(len(data), received)
+                reading = False
                 dst.sendall(data)
+                reading = True
         except OSError:
             pass
+        if received == (not reading):   # our side ended it: reading it, or writing to it
+            local_closed.set()
         _close(src, dst)
+        if received:
+            self._peer_pump_ended(local_closed)
 
-    def _read(self, src, dst, queue, ready) -> None:
+    def _read(self, src, dst, queue, ready, local_closed: threading.Event) -> None:
         free = 0.0
         try:
             while True:
@@ -161,8 +214,9 @@ class Relay:
         with ready:
             queue.append((0.0, None))
             ready.notify()
+        self._peer_pump_ended(local_closed)
 
-    def _deliver(self, dst, src, queue, ready) -> None:
+    def _deliver(self, dst, src, queue, ready, local_closed: threading.Event) -> None:
         try:
             while True:
                 with ready:
@@ -177,7 +231,7 @@ class Relay:
                 self._count(len(data), True)
                 dst.sendall(data)
         except OSError:
-            pass
+            local_closed.set()   # our library's socket refused the data: our side ended it
         _close(src, dst)
 
     def kernel_totals(self) -> tuple[int, int]:
@@ -207,8 +261,11 @@ class RelayPair:
     ``outbound`` is what our library dials to reach the peer's inbound relay."""
 
     def __init__(self, meter: Meter, kind: Callable[[], str], link: LinkProfile = NO_LINK,
-                 listen_host: str = "127.0.0.1"):
+                 listen_host: str = "127.0.0.1", on_peer_closed: Callable[[], None] | None = None):
+        """``on_peer_closed``: called when the peer has closed every peer-facing connection of
+        both relays, once ``arm()`` has been called (the link is up)."""
         self.state = _RoundState(meter, kind)
+        self.watch = _PeerWatch(on_peer_closed)
         self._link = link
         self._listen_host = listen_host
         self.inbound: Relay | None = None
@@ -216,12 +273,17 @@ class RelayPair:
 
     def open_inbound(self, own_listener: tuple[str, int] | None = None) -> tuple[str, int]:
         """The peer-facing relay; its target (our library's listener) may be set later."""
-        self.inbound = Relay(own_listener, self.state, inbound=True, link=self._link, host=self._listen_host)
+        self.inbound = Relay(own_listener, self.state, inbound=True, link=self._link, host=self._listen_host,
+                             watch=self.watch)
         return self.inbound.address
 
     def open_outbound(self, peer_inbound: tuple[str, int]) -> tuple[str, int]:
-        self.outbound = Relay(peer_inbound, self.state, inbound=False, link=self._link)
+        self.outbound = Relay(peer_inbound, self.state, inbound=False, link=self._link, watch=self.watch)
         return self.outbound.address
+
+    def arm(self) -> None:
+        """The link is up: from now on the peer closing it is reported."""
+        self.watch.arm()
 
     @property
     def totals(self) -> tuple[int, int]:

@@ -39,10 +39,31 @@ cc.register_provider(TFP, TestOnlyTFP())  # CrypTen's TFP plus edabits; still re
 
 def session_source(cfg) -> dict:
     """``open_party`` keywords for a deployment's ``offline`` mode (``common.service_config``): the
-    mode, and in dealer mode the dealer's address."""
+    mode, and in dealer mode the dealer's address; in two-party mode this process's engine pool
+    (a daemon's sessions share one engine per peer, ``shared_engine_pool``)."""
     if cfg.offline is OfflineMode.TWO_PARTY:
-        return {"offline": OfflineMode.TWO_PARTY}
+        return {"offline": OfflineMode.TWO_PARTY, "engine_pool": shared_engine_pool()}
     return {"offline": OfflineMode.DEALER, "dealer_address": cfg.dealer.endpoint().address}
+
+
+_engine_pool = None
+
+
+def shared_engine_pool():
+    """The process's two-party engine pool (``mpc.spu_engine.EnginePool``), made on first use and
+    closed when the process exits. Why process-wide: a server daemon runs its 2PC sessions one
+    after another (FL rounds' range checks, robust aggregation, unlearning jobs), and an engine
+    start (about 10 s: jax and SPU imports, TLS, CHEETAH's OT set-up) would otherwise be paid by
+    every one of them."""
+    global _engine_pool
+    if _engine_pool is None:
+        import atexit
+
+        from .spu_engine import EnginePool  # imports nothing of SPU: the engine process does
+
+        _engine_pool = EnginePool()
+        atexit.register(_engine_pool.close)   # before multiprocessing joins the engine processes
+    return _engine_pool
 
 
 def _engine_truncation(share, d):
@@ -133,6 +154,7 @@ def open_party(
     timeout: float = 120.0,
     truncation: str = "wrapfree",
     ticket: bytes | None = None,
+    engine_pool=None,
 ) -> Party:
     """Join a two-party session as ``rank``; party 1 accepts, party 0 connects.
 
@@ -148,6 +170,10 @@ def open_party(
     ``offline``: where the correlations come from (``common.offline_mode``; a string is read as
     its mode). ``insecure_tfp``: make them with CrypTen's trusted-first-party provider instead,
     so that party 0 knows every triple: for unit tests only, no daemon sets it.
+
+    ``engine_pool`` (two-party mode): borrow the engine from this ``mpc.spu_engine.EnginePool``
+    (both parties must pass one; ``shared_engine_pool()`` in a daemon) instead of starting one for
+    this session; ``Party.close`` gives it back.
     """
     mode = None if insecure_tfp else OfflineMode.of(offline)
     if truncation not in ("wrapfree", "local"):
@@ -192,9 +218,12 @@ def open_party(
                 _provider.attach(rank, dealer)
             wrapfree = truncate_share
             if mode is OfflineMode.TWO_PARTY:
-                from .spu_engine import SpuEngine  # imports jax and SPU: only in this mode
+                from .spu_engine import SpuEngine  # its engine process imports jax and SPU
 
-                engine = SpuEngine(rank, ch, meter, link=link, timeout=timeout)
+                if engine_pool is not None:
+                    engine = engine_pool.engine(rank, ch, meter, link=link, timeout=timeout)
+                else:
+                    engine = SpuEngine(rank, ch, meter, link=link, timeout=timeout)
                 _two_party.attach(engine)
                 wrapfree = _engine_truncation
             cc.use_provider(provider)

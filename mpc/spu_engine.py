@@ -1,19 +1,29 @@
 """The two-party (dealer-free) engine as a server process sees it: SecretFlow SPU's CHEETAH
-protocol between the two servers, run in a child process per session (``mpc.spu_process``, the
-only module that imports ``spu`` or ``jax``).
+protocol between the two servers, run in a child process (``mpc.spu_process``, the only module
+that imports ``spu`` or ``jax``), for one session or, kept by an ``EnginePool``, for as many
+sessions as the daemon runs.
 
 The link. SPU talks over its own sockets (brpc). Both ends use TLS 1.3 with mutual
-authentication, with keys that exist for this session only: each party makes a fresh EC key and
+authentication, with keys that exist for this engine only: each party makes a fresh EC key and
 a self-signed certificate, and the two certificates are exchanged over the servers' own
 authenticated channel (``net.channel``, the deployment's certificates). Each party then trusts
 exactly the peer's certificate and nothing else, so no other key can join the link, not even a
 certificate of the deployment's CA (which also signs clients), and the private keys never touch a
-disk outside a 0700 directory that is removed when the session closes. Both sides' traffic passes
+disk outside a 0700 directory that is removed when the engine closes. Both sides' traffic passes
 through ``mpc.metered_relay`` on loopback, which counts it at the sockets and applies the
 emulated link.
 
+Why a pool (issue 26): starting an engine (a process importing jax and SPU, the link's TLS
+handshakes, CHEETAH's OT set-up) took most of an FL round's range check in two-party mode
+(about 10 s). ``EnginePool`` keeps one engine per peer pair for the daemon's life; each session
+borrows it (``mpc.session.open_party(engine_pool=...)``), after both servers have agreed over the
+session's authenticated channel that they hold the two ends of the same link and a barrier has
+crossed it. An engine whose process died, whose peer closed the link, or that failed inside a
+call is dropped and a fresh one made for the next session; a call waiting on a peer that is gone
+fails within seconds (``_PEER_GRACE``), not at a timeout.
+
 What runs here (``docs/protocols.md``, "Two-party mode"): products of two sharings, the sign
-test, the window test, exact truncation and SecTC's per-row test.
+test, the window test, exact truncation and SecTC's test over all rows.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from typing import Callable
 
 import numpy as np
@@ -33,15 +44,28 @@ import numpy as np
 from net.channel import KIND_OBJECT, Channel
 from net.link import NO_LINK, LinkProfile
 from net.metering import KINDS, Meter
-from .spu_process import (CLOSE_GRACE, CLOSE_WAIT, PRODUCTS, RINGS, EngineError, engine_main, prog_exceed,
-                          prog_ge0, prog_matmul, prog_mul, prog_window)
+from .spu_process import (CLOSE_GRACE, CLOSE_WAIT, PRODUCTS, RINGS, EngineError, engine_main, prog_ge0,
+                          prog_matmul, prog_mul, prog_positive, prog_rows_exceed, prog_window)
 from common.wire import pack, unpack_bounded
 
-__all__ = ["SpuEngine", "EngineError"]
+__all__ = ["SpuEngine", "EnginePool", "EngineError"]
 log = logging.getLogger("starfish.engine")
 
 _BATCH = 1 << 20                 # elements per engine run of an elementwise op: bounds its memory
+#: coordinates per engine call of SecTC's test (all rows x some columns); the engine peaked at
+#: about 2.6 GB for 800,000 of them, and a server's party and engine together stay below 6 GiB
+_EXCEED_BATCH = 3 << 18
 _START_TIMEOUT = 120.0           # seconds the engine process may take to start (imports jax, SPU)
+_POLL = 0.2                      # seconds between liveness checks while a call is in flight
+#: seconds a call may still answer after the peer closed the link or the session's channel (its
+#: last reply may be on the way); then the engine is ended and the call fails
+_PEER_GRACE = 3.0
+#: a pooled engine's link waits this long for a peer inside a call (its parent notices a dead
+#: peer sooner); one-off engines keep the session's timeout
+_POOL_LINK_TIMEOUT = 3600.0
+#: a pooled engine is replaced after this many seconds: its session certificate is valid a day
+_POOL_MAX_AGE = 12 * 3600.0
+_PROBE_TIMEOUT = 10.0            # seconds a reused engine's barrier may take at a session's start
 
 
 def _unsigned(dtype):
@@ -87,15 +111,18 @@ class SpuEngine:
     """
 
     def __init__(self, rank: int, channel: Channel, meter: Meter, *, link: LinkProfile = NO_LINK,
-                 timeout: float = 120.0, trust_override: bytes | None = None):
+                 timeout: float = 120.0, trust_override: bytes | None = None,
+                 link_timeout: float | None = None):
         """Set up the link; both parties call this at the same point of their session.
 
         ``trust_override`` (tests only): trust this PEM instead of the certificate the peer sent,
-        which is how a test shows that a wrong certificate is refused.
+        which is how a test shows that a wrong certificate is refused. ``link_timeout``: how long
+        the library's receives wait inside a call (default ``timeout``; a pooled engine's is
+        longer, since it outlives the session that made it).
         """
         self.rank = rank
         self.meter = meter
-        self._channel = channel
+        self._channel: Channel | None = channel
         self._timeout = timeout
         self._lock = threading.Lock()
         self._counts = {f"{k}_{f}": 0 for k in KINDS for f in ("sent", "received", "rounds")}
@@ -103,15 +130,23 @@ class SpuEngine:
         self._proc = None
         self._conn = None
         self._stuck = False
+        self.broken = False          # failed inside a call, or its peer left: never reused
+        self.link_id = ""
+        self.started = time.monotonic()
+        self._pool: EnginePool | None = None
+        self.in_use = False
         try:
             cert, key, pem = _session_certificate(self._dir, f"starfish-spu-{rank}")
             own_host, peer_host = channel.hosts
             ctx = mp.get_context("spawn")
             self._conn, child = ctx.Pipe()
+            self._peer_gone = ctx.Event()
             self._proc = ctx.Process(target=engine_main, name=f"engine{rank}", daemon=False,
                                      args=(child, dict(rank=rank, dir=self._dir, cert=cert, key=key, link=link,
                                                        listen_host=own_host, timeout=timeout,
-                                                       log_level=logging.getLogger().level)))
+                                                       link_timeout=link_timeout,
+                                                       log_level=logging.getLogger().level),
+                                           self._peer_gone))
             self._proc.start()
             child.close()
             inbound_port = self._reply(_START_TIMEOUT)
@@ -123,12 +158,13 @@ class SpuEngine:
                 raise EngineError("malformed two-party link offer from the peer")
             # a link id of its own per session (brpc keeps services of earlier links)
             ids = (nonce, peer["nonce"]) if rank == 0 else (peer["nonce"], nonce)
+            self.link_id = "starfish-" + b"".join(ids).hex()
             # the library retries a refused handshake for about 10 s an attempt, whatever it is
             # told: the session's timeout is kept here, by ending the engine process
             try:
                 self._call("connect", peer_host, peer["port"],
                            trust_override if trust_override is not None else peer["cert"],
-                           "starfish-" + b"".join(ids).hex(), timeout=timeout)
+                           self.link_id, timeout=timeout)
             except EngineError as exc:
                 if not self._stuck:
                     raise
@@ -140,22 +176,41 @@ class SpuEngine:
 
     # ------------------------------------------------------------------ plumbing
     def _reply(self, timeout: float):
-        if not self._conn.poll(timeout):
-            self._stuck = True   # close() ends it at once: it would not hear a close request
-            raise EngineError(f"the two-party engine did not answer within {timeout:.0f}s")
+        """The engine's answer, waiting at most ``timeout`` seconds; fails fast (``_PEER_GRACE``)
+        once the peer is gone: its engine closed the link (its process died: the kernel closes
+        its sockets) or the peer left the session's channel. Then the engine is ended: its
+        library would wait for the peer up to its own receive timeout."""
+        deadline = time.monotonic() + timeout
+        gone_since = None
+        while not self._conn.poll(_POLL):
+            now = time.monotonic()
+            if self._peer_gone.is_set() or (self._channel is not None and self._channel.peer_closed):
+                gone_since = now if gone_since is None else gone_since
+                if now - gone_since >= _PEER_GRACE:
+                    self._stuck = self.broken = True
+                    raise EngineError("the peer's two-party engine is gone (its link or the session closed)")
+            if now >= deadline:
+                self._stuck = True   # close() ends it at once: it would not hear a close request
+                raise EngineError(f"the two-party engine did not answer within {timeout:.0f}s")
         try:
             status, value, counts = self._conn.recv()
         except EOFError:
+            self.broken = True
+            self._proc.join(1.0)
             code = self._proc.exitcode if self._proc is not None else None
             raise EngineError(f"the two-party engine process ended (exit code {code})") from None
         self._account(counts)
         if status != "ok":
+            self.broken = True   # a failed call may leave the link's sequence out of step
             raise EngineError(value)
         return value
 
     def _account(self, counts: dict | None) -> None:
         """Copy the growth of the child's counters into this session's meter (open steps)."""
         if not counts:
+            return
+        if self.meter is None:   # between sessions (a pooled engine): nothing to charge
+            self._counts = dict(counts)
             return
         for kind in KINDS:
             for field, add in (("sent", self.meter.sent), ("received", self.meter.received)):
@@ -174,6 +229,7 @@ class SpuEngine:
             try:
                 self._conn.send((op, args))
             except (BrokenPipeError, OSError):
+                self.broken = True
                 raise EngineError("the two-party engine process is gone") from None
             return self._reply(self._timeout * 4 if timeout is None else timeout)
 
@@ -186,6 +242,28 @@ class SpuEngine:
         function and shapes."""
         dtype = RINGS[bits][3]
         return self._call("run", name, fn, [np.ascontiguousarray(x, dtype=dtype) for x in inputs], kind, bits)
+
+    # ------------------------------------------------------------------ sessions (pool)
+    def bind(self, channel: Channel, meter: Meter, timeout: float) -> None:
+        """Serve the session of ``channel``: its meter gets the engine's traffic from now on."""
+        self._channel, self.meter, self._timeout = channel, meter, timeout
+
+    def alive(self) -> bool:
+        """This side's engine process runs, has not failed, and its peer has not left the link."""
+        return (self._conn is not None and self._proc is not None and self._proc.is_alive()
+                and not self.broken and not self._stuck and not self._peer_gone.is_set())
+
+    def probe(self) -> bool:
+        """A barrier over the link (bounded): both engines are there, on the same link."""
+        try:
+            return bool(self._call("probe", _PROBE_TIMEOUT, timeout=_PROBE_TIMEOUT + 10.0))
+        except EngineError:
+            return False
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (tests: a reused engine keeps it)."""
+        return self._proc.pid if self._proc is not None else None
 
     def open_public(self, share: np.ndarray) -> np.ndarray:
         """Both parties learn the value of a (small) sharing: each sends its share over the
@@ -277,25 +355,52 @@ class SpuEngine:
         mod 2**32 the wrap term and the bias's 2**(62 - k) vanish for k <= 30; the carry
         (0 or 1) is left out, so y is the floor or one less, as the dealer mode's truncation is
         the floor or one more: the test moves by at most one unit (2**-16) at the threshold.
-        Then |y| >= |d| is [y >= |d|] OR [y <= -|d|], and the per-row OR is taken in the engine:
-        2 comparisons per coordinate, no product, one opened bit per row.
+        Then |y| >= |d| is [y >= |d|] OR [y <= -|d|]: 2 comparisons per coordinate, no product,
+        one opened bit per row.
+
+        Batched over the rows (``_rows_or``): every row's coordinates go through the same engine
+        calls, each a block of all rows by as many columns as ``_EXCEED_BATCH`` allows, with the
+        per-row OR of the block taken inside the call; the blocks' bits are summed per row on
+        shares and one last call tests [sum >= 1]. Before, one call per row: a check of 20
+        clients cost 20 calls (and their rounds), now ceil(20 m / _EXCEED_BATCH) + 1.
         """
         rows, m = x.shape
         k = int(drop_bits)
         if not 0 <= k <= 30:
             raise ValueError(f"rows_exceed drops 0..30 bits, got {k}")
-        if m == 0:
+        if m == 0 or rows == 0:
             return np.zeros(rows, dtype=bool)
         u = np.ascontiguousarray(x, dtype=np.int64).view(np.uint64)
         if self.rank == 0 and k:
             u = u + np.uint64(1 << 62)
         high = (u >> np.uint64(k)).astype(np.uint32).view(np.int32)
         dd = np.ascontiguousarray(d, dtype=np.int64).view(np.uint64).astype(np.uint32).view(np.int32)
-        zero = np.zeros(1, np.int32)
-        bits = np.empty(rows, dtype=np.int32)
-        for r in range(rows):
-            bits[r] = self.run("exceed", prog_exceed, [high[r], dd[r : r + 1], zero], bits=32)[0][0]
-        return self.open_public(bits) != 0
+        return self.open_public(self._rows_or(high, dd)) != 0
+
+    def _rows_or(self, y: np.ndarray, d: np.ndarray) -> np.ndarray:
+        """32-bit shares (rows,) of [some |y[r, k]| >= |d[r]|], y (rows, m) and d (rows,) shared
+        mod 2**32, m >= 1. Blocks of (all rows) x (columns) of at most ``_EXCEED_BATCH``
+        coordinates (the engine's memory grows with a call's size: about 3 KB per coordinate
+        of this program, measured); a block's per-row OR is computed inside its call; when a
+        row spans several blocks, its block bits (0/1 shares, at most one per block, so the sum
+        cannot wrap) are added locally and one call over the rows decides [sum >= 1]. Nothing
+        is opened here."""
+        rows, m = y.shape
+        row_block = min(rows, _EXCEED_BATCH)
+        col_block = max(1, min(m, _EXCEED_BATCH // row_block))
+        out = np.empty(rows, dtype=np.int32)
+        for r0 in range(0, rows, row_block):
+            r1 = min(rows, r0 + row_block)
+            zero = np.zeros(r1 - r0, np.int32)
+            hits = np.zeros(r1 - r0, np.uint32)
+            for c0 in range(0, m, col_block):
+                block = y[r0:r1, c0 : c0 + col_block]
+                hits += self.run("rows-exceed", prog_rows_exceed, [block, d[r0:r1], zero],
+                                 bits=32)[0].view(np.uint32)
+            if m > col_block:
+                hits = self.run("any-hit", prog_positive, [hits.view(np.int32), zero], bits=32)[0].view(np.uint32)
+            out[r0:r1] = hits.view(np.int32)
+        return out
 
     def product(self, op: str, a: np.ndarray, b: np.ndarray, kind: str = "offline") -> np.ndarray:
         """Share of a op b (``PRODUCTS``: "mul" with broadcasting, "matmul") of two shared
@@ -338,12 +443,23 @@ class SpuEngine:
         return tuple(self._call("kernel_bytes"))
 
     def close(self) -> None:
-        """End the session: the engine process meets the peer's at a barrier of the link, stops
-        it and exits; whatever the library does while tearing down stays in that process."""
+        """End this session's use: a pooled engine that is still sound goes back to its pool
+        (its process and link stay up); any other engine shuts down."""
+        pool = self._pool
+        if pool is not None and pool.release(self):
+            return
+        self.shutdown()
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """End the engine: gracefully, its process meets the peer's at a barrier of the link,
+        stops it and exits (both parties close together: the end of a one-off session);
+        otherwise (a pooled engine dropped alone, or a daemon stopping) the process is ended at
+        once, since no peer will meet it at the barrier. Whatever the library does while
+        tearing down stays in that process."""
         conn, proc = self._conn, self._proc
-        if proc is not None and self._stuck:
+        if proc is not None and (self._stuck or not graceful):
             proc.kill()
-        if conn is not None and not self._stuck:
+        if conn is not None and not self._stuck and graceful:
             try:
                 with self._lock:
                     conn.send(("close", ()))
@@ -364,3 +480,101 @@ class SpuEngine:
                 proc.join(5.0)
             self._proc = None
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class EnginePool:
+    """Engines that outlive sessions: one per peer pair (this rank, the two hosts, the emulated
+    link), for the life of a server daemon (``mpc.session.shared_engine_pool``).
+
+    ``engine(...)`` is called by both parties at the same point of a session, over its
+    authenticated channel. Each offers the link id of the engine it holds, if that engine is
+    alive and idle and younger than ``max_age``; when both offer the same id and a barrier
+    crosses the link, the session borrows it (``SpuEngine.close`` gives it back). Otherwise both
+    drop what they hold and make a fresh engine (the certificate exchange of ``SpuEngine``), which
+    the pool keeps. An engine busy with another session is not offered, and the session gets an
+    engine of its own that is shut down after it.
+    """
+
+    def __init__(self, *, max_age: float = _POOL_MAX_AGE):
+        self.max_age = max_age
+        self._lock = threading.Lock()
+        self._engines: dict[tuple, SpuEngine] = {}
+        self.started = 0           # engines made (tests and reports: how often a start was paid)
+        self._closed = False
+
+    def engine(self, rank: int, channel: Channel, meter: Meter, *, link: LinkProfile = NO_LINK,
+               timeout: float = 120.0) -> SpuEngine:
+        key = (rank, tuple(channel.hosts), link)
+        stale = None
+        with self._lock:
+            if self._closed:
+                raise EngineError("the engine pool is closed")
+            held = self._engines.get(key)
+            if held is not None and held.in_use:
+                held = None      # another session's: not offered, not touched
+            elif held is not None:
+                if held.alive() and time.monotonic() - held.started < self.max_age:
+                    held.in_use = True
+                else:
+                    stale, held = self._engines.pop(key), None
+        if stale is not None:
+            stale.shutdown(graceful=False)
+        offer = held.link_id if held is not None else ""
+        try:
+            channel.send_frame(KIND_OBJECT, pack({"engine": offer}))
+            peer = unpack_bounded(channel.recv_frame(KIND_OBJECT), max_bin_len=0, max_str_len=256,
+                                  max_map_len=2)
+            if not isinstance(peer, dict) or not isinstance(peer.get("engine"), str):
+                raise EngineError("malformed engine offer from the peer")
+            if held is not None and peer["engine"] == offer:
+                held.bind(channel, meter, timeout)
+                ok = held.probe()
+                channel.send_frame(KIND_OBJECT, pack({"probe": ok}))
+                peer_ok = unpack_bounded(channel.recv_frame(KIND_OBJECT), max_bin_len=0, max_map_len=2)
+                if ok and isinstance(peer_ok, dict) and peer_ok.get("probe") is True:
+                    return held
+        except BaseException:
+            if held is not None:
+                self._drop(key, held)
+            raise
+        if held is not None:   # not reused: the peer holds another engine, or the probe failed
+            self._drop(key, held)
+        engine = SpuEngine(rank, channel, meter, link=link, timeout=timeout, link_timeout=_POOL_LINK_TIMEOUT)
+        with self._lock:
+            self.started += 1
+            if key not in self._engines and not self._closed:
+                self._engines[key] = engine
+                engine._pool = self
+                engine.in_use = True
+        return engine
+
+    def _drop(self, key: tuple, engine: SpuEngine) -> None:
+        with self._lock:
+            if self._engines.get(key) is engine:
+                del self._engines[key]
+        engine._pool = None
+        engine.shutdown(graceful=False)
+
+    def release(self, engine: SpuEngine) -> bool:
+        """A session is done with ``engine``: True if the pool keeps it (sound), else False (the
+        caller shuts it down)."""
+        with self._lock:
+            keep = engine.alive() and not self._closed and engine in self._engines.values()
+            if keep:
+                engine.in_use = False
+                engine.bind(None, None, engine._timeout)
+                return True
+            for k, e in list(self._engines.items()):
+                if e is engine:
+                    del self._engines[k]
+            engine._pool = None
+            return False
+
+    def close(self) -> None:
+        """End every engine (a daemon stopping): at once, no peer meets them at a barrier."""
+        with self._lock:
+            self._closed = True
+            engines, self._engines = list(self._engines.values()), {}
+        for e in engines:
+            e._pool = None
+            e.shutdown(graceful=False)

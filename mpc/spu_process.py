@@ -2,7 +2,8 @@
 
 This is the only module that imports ``spu`` or ``jax`` (as ``mpc.crypten_compat`` is for
 CrypTen), and it does so only inside the engine process that ``mpc.spu_engine.SpuEngine`` starts
-for a session: a server process never loads either. CHEETAH is two-party and needs no third
+(for one session, or for a server daemon's life when an ``EnginePool`` keeps it): a server
+process never loads either. CHEETAH is two-party and needs no third
 party: its multiplications use lattice HE (RLWE) and its comparisons silent OT (Ferret). Nothing
 of it is ours: we hand SPU our shares and take its shares back.
 
@@ -27,7 +28,7 @@ import numpy as np
 from net.metering import KINDS, Meter
 
 __all__ = ["EngineError", "RINGS", "PRODUCTS", "engine_main", "prog_ge0", "prog_window", "prog_mul",
-           "prog_matmul", "prog_exceed"]
+           "prog_matmul", "prog_rows_exceed", "prog_positive"]
 
 _CHUNK_BYTES = 1 << 26          # one SPU value chunk (64 MiB)
 _FRACTION_BITS = 16              # unused by our integer programs; SPU needs a value
@@ -72,9 +73,16 @@ def prog_matmul(a, b):
     return jnp.matmul(a, b)
 
 
-def prog_exceed(y, thr, z):
-    a = jnp.abs(thr)
-    return jnp.any((y >= a) | (y <= -a)).astype(jnp.int32).reshape(1) + z
+def prog_rows_exceed(y, thr, z):
+    # all rows of a check in one program: the comparisons of every row run in the same rounds,
+    # and the per-row OR reduces along the rows' axis together (log2(m) AND layers in all,
+    # not per row)
+    a = jnp.abs(thr)[:, None]
+    return jnp.any((y >= a) | (y <= -a), axis=1).astype(jnp.int32) + z
+
+
+def prog_positive(c, z):
+    return (c > 0).astype(c.dtype) + z
 
 
 PRODUCTS = {"mul": prog_mul, "matmul": prog_matmul}
@@ -90,7 +98,7 @@ def _free_port(host: str) -> int:
 class _Engine:
     """What runs in the engine process: the relays, the link and the runtimes."""
 
-    def __init__(self, params: dict):
+    def __init__(self, params: dict, peer_gone=None):
         global jnp
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         import jax
@@ -109,7 +117,9 @@ class _Engine:
         self._quiet_logging()
         self.meter = Meter()
         self.kind = "online"
-        self.relays = RelayPair(self.meter, lambda: self.kind, params["link"], listen_host=params["listen_host"])
+        # a peer-facing connection closed by the peer: the parent, waiting on a call, fails fast
+        self.relays = RelayPair(self.meter, lambda: self.kind, params["link"], listen_host=params["listen_host"],
+                                on_peer_closed=peer_gone.set if peer_gone is not None else None)
         self.inbound = self.relays.open_inbound()
         self.link = None
         self.runtimes: dict[int, Any] = {}
@@ -154,8 +164,12 @@ class _Engine:
             opts.verify.verify_depth = 1
         desc.connect_retry_times = max(1, int(p["timeout"] / 0.5))   # the parent ends us at its timeout
         desc.connect_retry_interval_ms = 500
-        desc.recv_timeout_ms = int(p["timeout"] * 1000)
-        desc.http_timeout_ms = int(p["timeout"] * 1000)
+        # a receive inside a call may wait for a peer that is still computing its side; a long-lived
+        # engine's link is given more than one session's timeout (``link_timeout``): its parent
+        # notices a dead peer by itself (``mpc.spu_engine``) and ends this process
+        recv = max(p["timeout"], p.get("link_timeout") or 0.0)
+        desc.recv_timeout_ms = int(recv * 1000)
+        desc.http_timeout_ms = int(recv * 1000)
         try:
             self.link = libspu.link.create_brpc(desc, p["rank"])
         except Exception as exc:  # brpc reports every failure as a RuntimeError with a trace
@@ -168,6 +182,8 @@ class _Engine:
         if meta.storage_type != RINGS[64][1] or meta.data_type != libspu.DataType.DT_I64:
             raise EngineError(f"unexpected SPU share layout {meta.storage_type}")
         self.runtimes[64] = self.spu.Runtime(self.link, cfg)
+        # the link is up: a peer closing it from now on means its engine is gone
+        self.relays.arm()
 
     def _config(self, bits: int):
         libspu = self.libspu
@@ -186,7 +202,9 @@ class _Engine:
         return rt
 
     def program(self, name: str, fn: Callable, shapes: tuple, bits: int):
-        key = (name, shapes, bits)
+        # the function itself is part of the key: a long-lived engine serves many sessions, and two
+        # programs that share a name and shapes must not share an executable
+        key = (name, _function_key(fn), shapes, bits)
         prog = self.programs.get(key)
         if prog is None:
             libspu = self.libspu
@@ -260,6 +278,25 @@ class _Engine:
             parts.append(c.content)
         return np.frombuffer(b"".join(parts), dtype=dtype).reshape(shape).copy()
 
+    def probe(self, timeout: float) -> bool:
+        """A barrier over the link within ``timeout`` seconds: is the peer's engine there and on
+        the same link? (A reused engine's check at the start of a session.)"""
+        link = self.link
+        if link is None:
+            return False
+        met = threading.Event()
+
+        def barrier() -> None:
+            try:
+                link.barrier()
+                met.set()
+            except Exception:  # noqa: BLE001 - the peer is gone or the link is broken
+                pass
+        t = threading.Thread(target=barrier, name="engine-probe", daemon=True)
+        t.start()
+        t.join(timeout)
+        return met.is_set()
+
     def close(self) -> None:
         link, self.link = self.link, None
         if link is not None:
@@ -284,13 +321,23 @@ class _Engine:
         self.relays.close()
 
 
-def engine_main(conn, params: dict) -> None:
-    """The engine process: serve the parent's calls until ``close`` (or the parent is gone)."""
+def _function_key(fn: Callable) -> tuple:
+    """What identifies a program's function: module and name, and a partial's bound arguments."""
+    args: tuple = ()
+    while hasattr(fn, "func") and hasattr(fn, "args"):   # functools.partial, possibly nested
+        args = (*fn.args, *sorted((fn.keywords or {}).items()), *args)
+        fn = fn.func
+    return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(fn)), repr(args))
+
+
+def engine_main(conn, params: dict, peer_gone=None) -> None:
+    """The engine process: serve the parent's calls until ``close`` (or the parent is gone).
+    ``peer_gone``: an event shared with the parent, set when the peer closes the link."""
     logging.basicConfig(level=params.get("log_level") or logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     child = None
     try:
-        child = _Engine(params)
+        child = _Engine(params, peer_gone)
         conn.send(("ok", child.inbound[1], child.counts()))
         while True:
             try:
@@ -303,6 +350,8 @@ def engine_main(conn, params: dict) -> None:
                     value = None
                 elif op == "run":
                     value = child.run(*args)
+                elif op == "probe":
+                    value = child.probe(*args)
                 elif op == "socket_bytes":
                     value = child.relays.totals
                 elif op == "kernel_bytes":

@@ -442,6 +442,71 @@ def test_engine_batches_split_long_inputs_exactly(tp):
     assert np.array_equal(recon(f0, f1), t >> 7)
 
 
+def rows_exceed_program(party, x0, x1, d0, d1, drop, batch):
+    """The engine's SecTC test with blocks of ``batch`` coordinates (``_EXCEED_BATCH``; here small,
+    so that rows span several blocks and the blocks' bits are ORed on shares)."""
+    import mpc.spu_engine as se
+
+    old = se._EXCEED_BATCH
+    se._EXCEED_BATCH = batch
+    try:
+        flags = party.engine.rows_exceed(np.asarray(x0 if party.rank == 0 else x1, dtype=np.int64), drop,
+                                         np.asarray(d0 if party.rank == 0 else d1, dtype=np.int64))
+    finally:
+        se._EXCEED_BATCH = old
+    return flags.tolist()
+
+
+def _exceed_case(rng, rows: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows (values |x|, |d| < 2**30) with a hit only at an edge (x = +-d, first or last column,
+    inside a block or at a block border), misses by one unit (+-(d - 1)), d = 0 (always a hit)
+    and d < 0 (|d| counts)."""
+    d = rng.integers(1, 2**29, rows, dtype=np.int64)
+    x = np.empty((rows, m), dtype=np.int64)
+    for r in range(rows):
+        x[r] = rng.integers(-(int(d[r]) - 1), int(d[r]), m, dtype=np.int64)   # all misses
+        kind = r % 6
+        if kind == 0:
+            x[r, -1] = -d[r]                      # hit in the last column only
+        elif kind == 1:
+            x[r, 0] = d[r]                        # hit in the first column only
+        elif kind == 2:
+            x[r, rng.integers(0, m)] = d[r] - 1   # a near miss: no hit
+        elif kind == 3:
+            d[r] = 0                              # |y| >= 0 always
+        elif kind == 4:
+            x[r, m // 2] = d[r]
+            d[r] = -d[r]                          # a negative threshold compares by |d|
+        # kind 5: no hit at all
+    return x, d
+
+
+@pytest.mark.parametrize("batch", [7, 64, 10**6])
+def test_rows_exceed_in_one_batched_pass_equals_numpy(tp, batch):
+    """SecTC's engine test over all rows at once (blocks of rows x columns, the per-row OR inside
+    each call and over blocks on shares) against numpy, on exact edges (drop 0) and on truncated
+    values away from the threshold (drop 16: y is the floor or one less); the engine calls are
+    ceil(rows m / batch) (+ 1 when a row spans several blocks), not one per row."""
+    rng = np.random.default_rng(batch)
+    rows, m = 12, 23
+    x, d = _exceed_case(rng, rows, m)
+    want = (np.abs(x) >= np.abs(d)[:, None]).any(axis=1)
+    assert want.tolist() == [r % 6 != 2 and r % 6 != 5 for r in range(rows)]
+    x0, x1 = split(x, "uniform", rng)
+    d0, d1 = split(d, "uniform", rng)
+    f0, f1 = call_both(tp, rows_exceed_program, x0, x1, d0, d1, 0, batch)
+    assert f0 == f1 == want.tolist()
+    # drop 16: values at least 2 units (after truncation) from the threshold
+    t = rng.integers(4, 2**13, rows, dtype=np.int64)
+    y = rng.integers(-(t - 2)[:, None], (t - 1)[:, None], (rows, m), dtype=np.int64)
+    y[::2, -1] = np.where(rng.random(rows) < 0.5, t + 2, -(t + 2))[::2]
+    want16 = (np.abs(y) >= t[:, None]).any(axis=1)
+    xs = (y << 16) + rng.integers(0, 1 << 16, (rows, m), dtype=np.int64)
+    g0, g1 = call_both(tp, rows_exceed_program, *split(xs, "uniform", rng), *split(t, "uniform", rng),
+                                 16, batch)
+    assert g0 == g1 == want16.tolist()
+
+
 # ============================================================================ 2. protocols
 UPLOAD_SPECS = [   # the dealer test's explicit examples, plus top-bits/sign-tests on every kind
     dict(b=26, consistency=True, norm_bits=30, delta_bits=27, d=65, seed=3, method="top-bits",

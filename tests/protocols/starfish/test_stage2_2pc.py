@@ -1,4 +1,4 @@
-"""Stage II under 2PC (two processes, TLS, dealer) against its plaintext twin."""
+"""Stage II under 2PC (two processes, TLS; with a dealer and without) against its plaintext twin."""
 
 from __future__ import annotations
 
@@ -47,10 +47,12 @@ def _inputs() -> dict:
             "stored": stored, "s": s, "est_for_tc": est, "thr_for_tc": thr}
 
 
-@pytest.fixture(scope="module")
-def sub_protocol_run():
+@pytest.fixture(scope="module", params=["dealer", "two-party"])
+def sub_protocol_run(request):
+    """The sub-protocols in both offline modes (two-party: no dealer, the SPU engine; its SecTC
+    is the engine's batched 32-bit test), each held to the same oracles."""
     inp = _inputs()
-    return inp, run_parties(secure_programs.sub_protocols, inp)
+    return inp, run_parties(secure_programs.sub_protocols, inp, offline=request.param, timeout=600)
 
 
 def test_threshold_determination_matches_plaintext(sub_protocol_run):
