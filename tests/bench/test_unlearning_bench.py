@@ -63,9 +63,10 @@ def test_steps_benchmark_tiny_on_loopback(tmp_path):
     # and the opened bit; the truncation of UE's raw estimates is local
     words = -(-2 * synthetic.config("tiny").num_params // 64)
     assert rows["TC"]["rounds"] == 9 + 1 + 7 + (words - 1).bit_length() + 6 + 1
-    assert rows["TC"]["paper"]["online_gb"] == 2.66
-    assert rows["UE"]["ratio_online_gb"] == pytest.approx(rows["UE"]["online_bytes"] / 1e9 / 0.04)
-    assert out.with_suffix(".md").read_text().count("|") > 20
+    # the paper measured the MNIST shapes only: a tiny run is not set beside its figures
+    assert "paper" not in rows["TC"] and "ratio_online_gb" not in rows["UE"]
+    md = out.with_suffix(".md").read_text()
+    assert md.count("|") > 20 and "paper online GB" not in md
 
 
 def test_scaling_plot_and_fit(tmp_path):
