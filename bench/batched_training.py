@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated: sequential, batched (both)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="timed runs per mode, alternating (1); the fastest and the median reported")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the training subset, the model and the batch orders (0)")
     parser.add_argument("--out", help="write the result as JSON here")
     progress.add_quiet_argument(parser)
 
