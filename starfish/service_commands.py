@@ -369,7 +369,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return rc
     for name, v in out.items():
         if "error" in v:
-            print(f"{name}: {v['error']}")
+            err = v["error"]
+            print(f"{name}: {err[len(name) + 1:] if err.startswith(name + ' ') else err}")
             continue
         st = v["status"]
         unlearning = st["T"] - st["fl_rounds"]
