@@ -370,11 +370,49 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     }
     path = write_json(out, payload)
     Path(path).with_suffix(".md").write_text(text + "\n")
-    print(f"wrote {path} and {Path(path).with_suffix('.md')}", file=sys.stderr)
+    plot(rows, Path(path).with_suffix(".png"), f"config {cfg.name} ({cfg.note}); {profile.describe()}")
+    print(f"wrote {path}, {Path(path).with_suffix('.md')} and {Path(path).with_suffix('.png')}", file=sys.stderr)
     return 0
 
 
-__all__ = ["main", "add_arguments", "build_rows", "tables", "STEPS", "party_setup", "top_level_steps",
+def plot(rows: list[dict], path: Path, where: str) -> None:
+    """Bytes and seconds of each step, online and offline (the paper's beside them for mnist)."""
+    # lazy: matplotlib.pyplot costs ~0.45 s, and the command line must not pay it for --help
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    rows = [r for r in rows if not r["sample"]]
+    names = [r["step"] + ("\n(extrapolated)" if r["extrapolated"] else "") for r in rows]
+    paper = any("paper" in r for r in rows)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    for ax, (what, unit, key, scale) in zip(axes, (("bytes", "GB (1e9 bytes)", "bytes", 1e9),
+                                                  ("time", "seconds", "s", 1.0))):
+        bars = [("online", f"online_{key}", "#4477aa"), ("offline", f"offline_{key}", "#ee6677")]
+        width = 0.8 / (4 if paper else 2)
+        for k, (label, field, color) in enumerate(bars):
+            xs = [i + (k - 0.5) * width * (2 if paper else 1) for i in range(len(rows))]
+            ax.bar(xs, [r[field] / scale for r in rows], width, label=label, color=color)
+            if paper:   # the paper's figure right of ours, hatched, same colour
+                ref = "online_gb" if (label, key) == ("online", "bytes") else \
+                    "offline_gb" if key == "bytes" else f"{label}_s"
+                ax.bar([x + width for x in xs], [r.get("paper", {}).get(ref) or 0.0 for r in rows], width,
+                       label=f"{label}, paper (Table I)", color=color, alpha=0.45, hatch="//")
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(names, fontsize=8)
+        ax.set_ylabel(unit)
+        ax.set_yscale("log")
+        ax.set_title(f"{what} per step (log scale)", fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"starfish bench steps: {where}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["main", "add_arguments", "build_rows", "tables", "plot", "STEPS", "party_setup", "top_level_steps",
            "synthetic_history"]
 
 

@@ -67,6 +67,7 @@ def test_steps_benchmark_tiny_on_loopback(tmp_path):
     assert "paper" not in rows["TC"] and "ratio_online_gb" not in rows["UE"]
     md = out.with_suffix(".md").read_text()
     assert md.count("|") > 20 and "paper online GB" not in md
+    assert out.with_suffix(".png").stat().st_size > 0
 
 
 def test_scaling_plot_and_fit(tmp_path):
