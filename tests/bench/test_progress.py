@@ -124,10 +124,31 @@ def test_instrumented_party_reports_top_level_steps_only():
     assert seen == [("UE", False), ("UE", True), ("TC", False), ("TC", True)]
 
 
+def test_in_round_bar_restarts_each_round_and_shows_clients_done_and_time_left():
+    term = Terminal()
+    with progress.progress(2, "FL", stream=term, unit="round") as outer, \
+            progress.within("clients", stream=term, delay=0.0) as in_round:
+        for _ in range(2):                       # two rounds of 3 clients, 6 local steps each
+            for done in range(0, 7, 2):
+                in_round(done, 6, f"{done // 2}/3 clients done")
+                time.sleep(0.12)             # past tqdm's redraw interval (0.1 s)
+            outer.update(1)
+    text = term.getvalue()
+    assert "clients" in text and "3/3 clients done" in text and ETA.search(text), text
+    frames = re.findall(r"clients:\s+\d+%\|[^|]*\| (\d)/6", text)
+    # a second round starts from 0 again: some frame after the first 6/6 is below 6
+    first_full = frames.index("6")
+    assert any(int(f) < 6 for f in frames[first_full + 1:]), frames
+    pipe = Pipe()
+    with progress.within("clients", stream=pipe, delay=0.0) as in_round:
+        in_round(1, 2, "x")
+    assert pipe.getvalue() == ""
+
+
 # ------------------------------------------------------------------ every long command takes --quiet
 COMMANDS = [["lab"], ["demo"]] + [["bench", b] for b in (
     "runtime", "primitives", "rs-switch", "steps", "unlearning", "truncation", "range-check", "scaling",
-    "aggregation")]
+    "aggregation", "training")]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
