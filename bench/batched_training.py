@@ -18,7 +18,7 @@ modes to the same load.
 The default is the paper's Fashion-MNIST CNN (643,850 parameters), 20 clients, batch 64, lr
 0.005, on a seeded subset of the real data (``--per-client`` images each, ``--epochs`` local
 epochs). A full round (3,000 images and 5 epochs per client, 4,700 local steps in all) takes
-minutes per mode on two CPU cores; ``--per-client 3000 --epochs 5`` runs it.
+25-45 minutes per mode on two CPU cores (docs/lab.md); ``--per-client 3000 --epochs 5`` runs it.
 
     python -m bench.batched_training --per-client 256 --epochs 1 --threads 2
 """
