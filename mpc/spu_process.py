@@ -330,12 +330,28 @@ def _function_key(fn: Callable) -> tuple:
     return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(fn)), repr(args))
 
 
+def _watch_parent() -> None:
+    """End this process once its parent is gone. Why: a pooled engine's link waits up to an hour
+    inside a call (``link_timeout``); if the server daemon died meanwhile (killed, no atexit), the
+    pipe's end-of-file is read only between calls, and the engine would hold its memory and its
+    link until the library gave up."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+    threading.Thread(target=watch, name="engine-parent-watch", daemon=True).start()
+
+
 def engine_main(conn, params: dict, peer_gone=None) -> None:
     """The engine process: serve the parent's calls until ``close`` (or the parent is gone).
     ``peer_gone``: an event shared with the parent, set when the peer closes the link."""
     logging.basicConfig(level=params.get("log_level") or logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     child = None
+    _watch_parent()
     try:
         child = _Engine(params, peer_gone)
         conn.send(("ok", child.inbound[1], child.counts()))

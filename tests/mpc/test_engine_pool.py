@@ -117,3 +117,44 @@ def test_the_next_session_starts_fresh_engines_and_computes(runs):
         third, fourth = p["sessions"][2], p["sessions"][3]
         assert third["started"] == 2 and third["pid"] != p["sessions"][0]["pid"]
         assert fourth["started"] == 2 and fourth["pid"] == third["pid"]
+
+
+def orphan_program(party, path):
+    """Party 1 records its pooled engine's process id and dies (SIGKILL: no atexit, no pool
+    close) 3 s into a long engine call, so that its engine is busy inside the library and does
+    not read the pipe's end; party 0's call then fails (its peer is gone)."""
+    from mpc.spu_engine import EngineError, EnginePool
+
+    pool = EnginePool()
+    e = pool.engine(party.rank, party.channel, party.metering, timeout=TIMEOUT)
+    if party.rank == 1:
+        with open(path, "w") as f:
+            f.write(str(e.pid))
+        threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    try:
+        e.nonnegative(np.random.default_rng(party.rank).integers(LO, HI, BIG, dtype=np.int64, endpoint=True))
+    except EngineError:
+        pass
+    pool.close()
+    return None
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def test_an_engine_whose_server_died_ends_itself(tmp_path):
+    """A daemon killed outright, its engine inside a call, leaves no engine behind: the engine
+    watches its parent (else the library would wait for the peer up to the pooled link's hour)."""
+    path = tmp_path / "pid"
+    with pytest.raises(PartyError):
+        run_parties(orphan_program, str(path), insecure_tfp=True, timeout=TIMEOUT * 3)
+    pid = int(path.read_text())
+    deadline = time.monotonic() + 15
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(pid), f"engine {pid} outlived its server"
