@@ -36,13 +36,12 @@ from pathlib import Path
 import torch
 
 from mpc.crypten_compat import crypten
-from protocols.backend import cat
+from protocols.backend import cat, stack
 from protocols.inverse import inverse_masked
 from protocols.maximum import max as secure_max
 from protocols.sort import bitonic_sort
 from protocols.starfish import (StarfishParams, check_thresholds, determine_thresholds, select_rounds,
                                 starfish_select)
-from protocols.starfish.backend import stack
 from protocols.starfish.replay import Replay
 from protocols.threshold import any_exceeds
 

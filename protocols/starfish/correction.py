@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .backend import to_compute
+from protocols.backend import to_compute
 from .ports import CorrectionClients
 
 __all__ = ["apply_corrections"]

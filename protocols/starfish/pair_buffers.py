@@ -35,7 +35,7 @@ from protocols import backend as B
 from protocols.compare import ge
 from protocols.inner_product import inner
 
-from .backend import is_secret, reveal, stack
+from protocols.backend import is_shared, reveal, stack
 
 __all__ = ["PairBuffers", "MIN_COSINE", "curvature_ok"]
 
@@ -55,7 +55,7 @@ def curvature_ok(s: torch.Tensor, ys: Sequence[Any], min_cos: float = MIN_COSINE
         return []
     ss = float((s.double() * s.double()).sum())
     c2ss = min_cos * min_cos * ss
-    if not any(is_secret(y) for y in ys):
+    if not any(is_shared(y) for y in ys):
         out = []
         for y in ys:
             y = torch.as_tensor(y, dtype=torch.float64)
@@ -101,7 +101,7 @@ class PairBuffers:
         # dealer mode: each new column's mask is opened here, once; it gives the curvature test's
         # y^T y and then serves every estimate's product while the column stays in the buffer
         masked = None
-        if ys and all(is_secret(y) for y in ys) and reused_masks.supported():
+        if ys and all(is_shared(y) for y in ys) and reused_masks.supported():
             masked = reused_masks.open_masks([y.share for y in ys])
         accepted = curvature_ok(s, ys, self.min_cos, masked)
         for k, (j, y, ok) in enumerate(zip(clients, ys, accepted)):
@@ -131,7 +131,7 @@ class PairBuffers:
         provider without reusable masks). Columns are opened when they enter the buffer
         (``push_many``); one that has not been (pushed by other code) is opened here, one round for
         all, and then serves every product until it leaves the buffer."""
-        if not any(is_secret(y) for j in clients for y in self._y[j]) or not reused_masks.supported():
+        if not any(is_shared(y) for j in clients for y in self._y[j]) or not reused_masks.supported():
             return None
         missing = [(j, k) for j in clients for k, m in enumerate(self._masks[j]) if m is None]
         opened = reused_masks.open_masks([self._y[j][k].share for j, k in missing])

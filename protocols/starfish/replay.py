@@ -48,7 +48,7 @@ import torch
 
 from mpc import reused_masks
 
-from .backend import is_secret, reveal, stack, to_compute, weighted_sum
+from protocols.backend import is_shared, reveal, stack, to_compute, weighted_sum
 from .correction import apply_corrections
 from .pair_buffers import PairBuffers
 from .ports import CorrectionClients, History
@@ -153,7 +153,7 @@ class Replay:
                 S, Y = self.buffers.stacked(present)
                 est = estimate_updates(stack(stored), s, S, Y, self.inverse, y_masks=y_masks)
             self.estimated_updates += len(present)
-            if not is_secret(est):
+            if not is_shared(est):
                 peak = float(torch.as_tensor(est).abs().max()) if est.numel() else 0.0
                 self.largest_estimate = max(peak, self.largest_estimate or 0.0)
             rows = [est[r] for r in range(len(present))]

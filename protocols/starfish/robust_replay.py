@@ -56,7 +56,7 @@ from common.robust_rules import BRACE_LAMBDA, FEDSECA_BETA, FEDSECA_GAMMA, brace
 from protocols import backend as B
 from protocols.robust_aggregation import brace_sign, fedseca, momentum, secure_quantile_thresholds
 
-from .backend import reveal, weighted_sum
+from protocols.backend import reveal, weighted_sum
 from .replay import Meter, no_meter
 
 __all__ = ["RoundRule", "RuleCombine", "FEDAVG"]

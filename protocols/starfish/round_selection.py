@@ -63,7 +63,7 @@ from protocols.division import divide
 from protocols.inner_product import inner
 from protocols.sort import ratio_comparator, top_k
 
-from .backend import is_secret, stack, to_compute, weighted_sum
+from protocols.backend import is_shared, stack, to_compute, weighted_sum
 from .params import Method, StarfishParams
 from .ports import History, candidate_rounds, present_clients, remaining_clients
 
@@ -164,7 +164,7 @@ def selection_keys(target_updates: Any, model_deltas: torch.Tensor,
     vector: u is 0 there). Not yet normalised: see :func:`normalize_keys`.
     """
     dm = model_deltas
-    if not is_secret(target_updates):
+    if not is_shared(target_updates):
         dm = dm.to(torch.as_tensor(target_updates).dtype)
     dnorm = dm.norm(dim=-1, keepdim=True)
     unit = dm / torch.where(dnorm > 0, dnorm, torch.ones_like(dnorm))
@@ -172,7 +172,7 @@ def selection_keys(target_updates: Any, model_deltas: torch.Tensor,
     if target_norms is not None:
         return u, target_norms
     sq = inner(target_updates, target_updates, dim=-1)
-    if not is_secret(u):
+    if not is_shared(u):
         return u * u.abs(), sq
     square = u * u
     return select(ge(u, 0.0), square, -square), sq
@@ -190,7 +190,7 @@ def normalize_keys(u: Any, v: Any) -> tuple[Any, Any]:
     truncation (:mod:`mpc.exact_truncation`) of 2T elements. Requires v < 2**44 and |u| <= v
     up to rounding (true for cosine keys by Cauchy-Schwarz). Opens nothing.
     """
-    if not (is_secret(u) or is_secret(v)):
+    if not (is_shared(u) or is_shared(v)):
         u = torch.as_tensor(u, dtype=torch.float64)
         v = torch.as_tensor(v, dtype=torch.float64)
         inside = v >= 2.0 ** int(_KEY_EXPONENTS[0])

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .backend import stack, to_compute
+from protocols.backend import stack, to_compute
 from .params import StarfishParams
 from .ports import CorrectionClients, History, candidate_rounds, remaining_clients, rounds_of
 from .replay import Combine, ProgressFn, Replay, no_meter

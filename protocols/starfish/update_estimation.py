@@ -37,7 +37,7 @@ from mpc.crypten_compat import crypten
 from protocols import backend as B
 from protocols.inverse import inverse_masked
 
-from .backend import is_secret, lmatmul, mul_mask, transpose
+from protocols.backend import is_shared, lmatmul, mul_mask, transpose
 
 __all__ = ["compact_hvp", "estimate_updates", "default_inverse"]
 
@@ -67,7 +67,7 @@ def compact_hvp(S: torch.Tensor, Y: Any, v: torch.Tensor, inverse: Inverse | Non
     opened, one row per client (S of shape (rows, m, B)), so that Y z opens only z's mask.
     """
     inverse = inverse or default_inverse()
-    secret = is_secret(Y)
+    secret = is_shared(Y)
     dtype = torch.float64 if not secret else torch.float32
     S = S.to(dtype)
     if not secret:
@@ -136,8 +136,8 @@ def estimate_updates(stored: Any, model_diff: torch.Tensor, S: torch.Tensor, Y: 
     ``y_masks``: see ``compact_hvp``.
     """
     hv = compact_hvp(S, Y, model_diff, inverse, y_masks)
-    if is_secret(hv):
+    if is_shared(hv):
         return hv + B.lift(B.to_shared_like(stored), B.bits_of(hv))
-    if is_secret(stored):
+    if is_shared(stored):
         return stored + hv
     return torch.as_tensor(stored).to(hv.dtype) + hv

@@ -50,8 +50,7 @@ import numpy as np
 from common import wire
 from net.channel import KIND_OBJECT
 from common.prg import expand
-from protocols.backend import stack
-from protocols.starfish.backend import to_compute
+from protocols.backend import stack, to_compute
 from protocols.starfish.ports import rounds_of
 from protocols.starfish.threshold_determination import determine_thresholds
 
