@@ -35,13 +35,15 @@ import msgpack
 import numpy as np
 
 from common.prg import SEED_BYTES
+from common.sample_count import SampleCount, SampleCountError, check_sample_count, sample_counts
 
 __all__ = ["VERSION", "ERROR_CODES", "MUTATING_OPS", "REQUESTS", "WireError", "Request",
            "pack", "unpack", "unpack_bounded", "parse_request", "make_request", "ok_reply",
            "error_reply", "tensor", "decode_tensor", "decode_share", "share_field", "check_reply",
            "client_id_of", "JOB_ID_RE", "TASK_ID_RE", "MAX_NONCE", "NONCE_WINDOW_NS",
            "check_nonce_window", "Validator", "Schema", "check_fields", "integer", "boolean", "number",
-           "text", "string", "nullable", "member", "int_set", "int_sequence", "ring_vector"]
+           "text", "string", "nullable", "member", "int_set", "int_sequence", "ring_vector",
+           "sample_count", "sample_count_sequence"]
 
 VERSION = 1
 ERROR_CODES = ("bad_request", "too_large", "version", "unknown_op", "unauthorized", "replay",
@@ -156,6 +158,22 @@ def int_sequence(name: str, v: Any) -> tuple[int, ...]:
     return tuple(v)
 
 
+def sample_count(name: str, v: Any) -> SampleCount:
+    """A client's |D_j| (``common.sample_count``: the one bound and message), as a field."""
+    try:
+        return check_sample_count(v, f"field {name!r}")
+    except SampleCountError as exc:
+        raise WireError("bad_request", str(exc)) from None
+
+
+def sample_count_sequence(name: str, v: Any) -> tuple[SampleCount, ...]:
+    """A list of |D_j| kept in its order (it pairs with a list of participants)."""
+    try:
+        return sample_counts(int_sequence(name, v), f"field {name!r}")
+    except SampleCountError as exc:
+        raise WireError("bad_request", str(exc)) from None
+
+
 def _tensor_map(name: str, v: Any) -> dict:
     """Structure only; dtype/shape against expectations happens in :func:`decode_tensor`."""
     if not isinstance(v, dict):
@@ -227,7 +245,7 @@ REQUESTS: Mapping[str, Schema] = {
     # this client's shares of g, ||g||, delta for the open round, and |D_j| in the clear;
     # ``threshold``: its share of FedSECA's lambda_k, required (only) where fl.aggregator = fedseca
     "upload": Schema({"round": _ROUND, "update": _tensor_map, "norm": _tensor_map,
-                      "delta": _tensor_map, "num_samples": integer(1, 2**31 - 1),
+                      "delta": _tensor_map, "num_samples": sample_count,
                       "nonce": _NONCE}, {"threshold": _tensor_map}),
     # unlearning of the caller's own data (clients) or of any targets (admin)
     "unlearn": Schema({"job": string(JOB_ID_RE), "nonce": _NONCE},

@@ -40,6 +40,7 @@ from net import tls
 from common import wire
 from net.admission import Admission, Refused, refuse
 from net.channel import KIND_OBJECT, Channel, ChannelError, PeerTimeout, ProtocolError, accept_loop
+from common.sample_count import counts_from_metadata
 from common.service_config import ServiceConfig
 
 from servers.secure.correction_tasks import TaskBoard
@@ -316,10 +317,10 @@ class ClientAPI:
         parts = list(self.store.participants(i))
         w = self.store.weights(i)
         meta = self.store.metadata(i)
-        sizes = meta.get("num_samples", {})
+        sizes = counts_from_metadata(meta, f"round {i}'s metadata")
         return {"round": i, "kind": self.store.round_kind(i), "job": meta.get("job"),
                 "participants": parts, "weights": [w[j] for j in parts],
-                "num_samples": [int(sizes.get(str(j), 0)) for j in parts],
+                "num_samples": [int(sizes.get(j, 0)) for j in parts],
                 "erased": list(meta.get("erased", [])), "refused": list(meta.get("refused", [])),
                 # rounds committed before the key existed were FedAvg
                 "aggregator": meta.get("aggregator", "fedavg") if self.store.round_kind(i) == "fl" else None,

@@ -38,7 +38,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import numpy as np
 
 from common import wire
-from common.wire import Schema, boolean, int_sequence, integer, member, nullable, number, ring_vector, text
+from common.sample_count import SampleCount
+from common.wire import (Schema, boolean, int_sequence, integer, member, nullable, number, ring_vector,
+                         sample_count, sample_count_sequence, text)
 
 from servers.store.job_records import JobState
 
@@ -137,10 +139,12 @@ def _json_object(name: str, v: Any) -> dict[str, Any]:
 _JSON_OBJECT = _Codec(_json_object, lambda v: json.dumps(dict(v), sort_keys=True))
 
 
-def _pairs(name: str, v: Any) -> dict[int, int]:
+def _pairs(name: str, v: Any) -> dict[int, SampleCount]:
+    """client -> |D_j| of staged uploads (the count checked as the client API checks it)."""
     if not isinstance(v, list) or any(not isinstance(p, list) or len(p) != 2 for p in v):
         raise wire.WireError("bad_request", f"field {name!r} must be a list of [client, size] pairs")
-    return dict(int_sequence(f"{name}[]", p) for p in v)
+    pairs = [int_sequence(f"{name}[]", p) for p in v]
+    return {j: sample_count(f"{name}[{j}]", n) for j, n in pairs}
 
 
 _STAGED = _Codec(_pairs, lambda v: [[j, n] for j, n in v.items()])
@@ -161,6 +165,7 @@ def _messages(cls: type[_Message]) -> wire.Validator:
 _ROUND = integer(1)
 _COUNT = integer(0)
 _IDS = int_sequence
+_SIZES = sample_count_sequence      # |D_j| of the participants, in their order
 _DIGEST = text
 
 
@@ -169,7 +174,7 @@ def params_key(params: Mapping[str, Any]) -> str:
     return json.dumps(dict(params), sort_keys=True)
 
 
-def _check_participants(participants: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+def _check_participants(participants: tuple[int, ...], sizes: tuple[SampleCount, ...]) -> None:
     parts = list(participants)
     if parts != sorted(set(parts)) or len(sizes) != len(parts) or not parts:
         raise ValueError("participants must be sorted, unique, non-empty, one size each")
@@ -188,18 +193,18 @@ class LastRound(_Message):
     """Server 1's last committed round: its participants and their |D_j|, in that order;
     for an unlearning round (no participants) the job whose model it adopted."""
 
-    SCHEMA: ClassVar[Schema] = Schema({"round": _ROUND, "participants": _IDS, "sizes": _IDS,
+    SCHEMA: ClassVar[Schema] = Schema({"round": _ROUND, "participants": _IDS, "sizes": _SIZES,
                                        "job": nullable(text)})
     round: int
     participants: tuple[int, ...]
-    sizes: tuple[int, ...]
+    sizes: tuple[SampleCount, ...]
     job: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.participants):
             raise ValueError("last round: one size per participant")
 
-    def sizes_by_client(self) -> dict[int, int]:
+    def sizes_by_client(self) -> dict[int, SampleCount]:
         return dict(zip(self.participants, self.sizes))
 
 
@@ -241,7 +246,7 @@ class PeerState(_Message):
     SCHEMA: ClassVar[Schema] = Schema({"T": _COUNT, "staged": _STAGED, "last": nullable(_message(LastRound)),
                                        "jobs": _messages(JobRow), "busy": nullable(text)})
     T: int
-    staged: Mapping[int, int]
+    staged: Mapping[int, SampleCount]
     last: LastRound | None
     jobs: tuple[JobRow, ...] = ()
     busy: str | None = None
@@ -254,18 +259,18 @@ class CloseRound(_Message):
     and their |D_j|; ``share`` is server 0's weighted share sum (int64 ring elements)."""
 
     OP: ClassVar[str] = "close_round"
-    SCHEMA: ClassVar[Schema] = Schema({"round": _ROUND, "participants": _IDS, "sizes": _IDS, "refused": _IDS})
+    SCHEMA: ClassVar[Schema] = Schema({"round": _ROUND, "participants": _IDS, "sizes": _SIZES, "refused": _IDS})
     VECTORS: ClassVar[tuple[str, ...]] = ("share",)
     round: int
     participants: tuple[int, ...]
-    sizes: tuple[int, ...]
+    sizes: tuple[SampleCount, ...]
     share: np.ndarray = field(repr=False)
     refused: tuple[int, ...] = ()     # clients whose upload failed the range check this round
 
     def __post_init__(self) -> None:
         _check_participants(self.participants, self.sizes)
 
-    def sizes_by_client(self) -> dict[int, int]:
+    def sizes_by_client(self) -> dict[int, SampleCount]:
         return dict(zip(self.participants, self.sizes))
 
 
@@ -313,12 +318,12 @@ class CloseRobustRound(_Message):
     FedAvg sum is not public."""
 
     OP: ClassVar[str] = "close_robust_round"
-    SCHEMA: ClassVar[Schema] = Schema({"round": _ROUND, "participants": _IDS, "sizes": _IDS,
+    SCHEMA: ClassVar[Schema] = Schema({"round": _ROUND, "participants": _IDS, "sizes": _SIZES,
                                        "aggregate_sha256": _DIGEST, "refused": _IDS,
                                        "threshold_refused": _IDS})
     round: int
     participants: tuple[int, ...]
-    sizes: tuple[int, ...]
+    sizes: tuple[SampleCount, ...]
     aggregate_sha256: str
     refused: tuple[int, ...] = ()
     threshold_refused: tuple[int, ...] = ()
@@ -326,7 +331,7 @@ class CloseRobustRound(_Message):
     def __post_init__(self) -> None:
         _check_participants(self.participants, self.sizes)
 
-    def sizes_by_client(self) -> dict[int, int]:
+    def sizes_by_client(self) -> dict[int, SampleCount]:
         return dict(zip(self.participants, self.sizes))
 
 

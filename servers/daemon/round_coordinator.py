@@ -38,6 +38,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from common.sample_count import METADATA_KEY, SampleCount, counts_from_metadata, counts_to_metadata
 from common.service_config import ServiceConfig
 
 from servers.secure.robust_session import aggregate_digest, aggregate_round_uploads
@@ -85,11 +86,10 @@ class RoundCoordinator:
         with self._wake:
             self._wake.notify_all()
 
-    def committed_sizes(self, r: int) -> dict[int, int]:
-        meta = self.store.metadata(r).get("num_samples", {})
-        return {int(k): int(v) for k, v in meta.items()}
+    def committed_sizes(self, r: int) -> dict[int, SampleCount]:
+        return counts_from_metadata(self.store.metadata(r), f"round {r}'s metadata")
 
-    def _share_sum(self, r: int, parts: list[int], sizes: dict[int, int]) -> np.ndarray:
+    def _share_sum(self, r: int, parts: list[int], sizes: dict[int, SampleCount]) -> np.ndarray:
         committed = r <= self.store.num_rounds
         terms = []
         for j in parts:
@@ -98,15 +98,16 @@ class RoundCoordinator:
             terms.append((sizes[j], share))
         return weighted_share_sum(terms, self.store.dim)
 
-    def _round_model(self, r: int, a0: np.ndarray, a1: np.ndarray, sizes: dict[int, int]) -> np.ndarray:
+    def _round_model(self, r: int, a0: np.ndarray, a1: np.ndarray,
+                     sizes: dict[int, SampleCount]) -> np.ndarray:
         total = sum(sizes.values())
         agg = open_aggregate(a0, a1, total, self.store.precision)
         return next_model(self.store.model(r - 1), agg, self.store.server_lr)
 
-    def _commit(self, r: int, model: np.ndarray, parts: list[int], sizes: dict[int, int],
+    def _commit(self, r: int, model: np.ndarray, parts: list[int], sizes: dict[int, SampleCount],
                 refused: Sequence[int] = (), rule: dict | None = None) -> bool:
         """Commit round r; ``rule``: the robust rule's public metadata (None: FedAvg)."""
-        meta: dict = {"num_samples": {str(j): int(sizes[j]) for j in parts}}
+        meta: dict = {METADATA_KEY: counts_to_metadata(sizes, parts)}
         if refused:
             meta["refused"] = sorted(refused)
         meta.update(rule or {"aggregator": "fedavg"})

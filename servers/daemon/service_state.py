@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from common.sample_count import SampleCount
+
 __all__ = ["ServiceState"]
 
 _SCHEMA = """
@@ -81,22 +83,24 @@ class ServiceState:
                 "DO UPDATE SET last = MAX(last, excluded.last)", (identity, int(nonce)))
 
     # ------------------------------------------------------------------ sizes
-    def size(self, round_: int, client: int) -> int | None:
+    # |D_j| is checked where it enters, the upload's wire field (``common.sample_count``); this
+    # table keeps what it is given (tests store 8-byte values to find them on disk).
+    def size(self, round_: int, client: int) -> SampleCount | None:
         with self._lock:
             row = self._conn.execute("SELECT num_samples FROM upload_sizes WHERE round = ? AND "
                                      "client = ?", (round_, client)).fetchone()
-        return None if row is None else int(row[0])
+        return None if row is None else SampleCount(int(row[0]))
 
-    def set_size(self, round_: int, client: int, num_samples: int) -> None:
+    def set_size(self, round_: int, client: int, num_samples: SampleCount) -> None:
         with self._lock:
             self._conn.execute("INSERT OR REPLACE INTO upload_sizes(round, client, num_samples) "
                                "VALUES (?, ?, ?)", (round_, client, int(num_samples)))
 
-    def sizes(self, round_: int) -> dict[int, int]:
+    def sizes(self, round_: int) -> dict[int, SampleCount]:
         with self._lock:
             rows = self._conn.execute("SELECT client, num_samples FROM upload_sizes WHERE round = ?",
                                       (round_,)).fetchall()
-        return {int(c): int(n) for c, n in rows}
+        return {int(c): SampleCount(int(n)) for c, n in rows}
 
     def forget_rounds_before(self, round_: int) -> None:
         """Sizes of committed rounds live in the round's metadata, their opened aggregates in

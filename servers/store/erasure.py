@@ -33,6 +33,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from common.sample_count import METADATA_KEY
+
 from servers.store import blobs as _blobs
 from servers.store import store_validation as check
 from servers.store.blobs import encode_blob
@@ -276,16 +278,16 @@ class ErasureLog(StoreCatalog):
         keep = tuple(j for j in parts if j not in gone)
         erased = {j for j in parts if j in gone}
         meta = json.loads(meta_json)
-        sizes = meta.get("num_samples")
+        sizes = meta.get(METADATA_KEY)
         if isinstance(sizes, dict):
-            meta["num_samples"] = {k: v for k, v in sizes.items()
+            meta[METADATA_KEY] = {k: v for k, v in sizes.items()
                                    if k not in {str(j) for j in erased}}
         prev = meta.get("erased")
         earlier = {x for x in prev if isinstance(x, int) and not isinstance(x, bool)} \
             if isinstance(prev, list) else set()
         meta["erased"] = sorted(earlier | erased)
         if erased:
-            weights = renormalised({j: weights[j] for j in keep}, meta.get("num_samples"))
+            weights = renormalised({j: weights[j] for j in keep}, meta.get(METADATA_KEY))
             refs = {j: refs[j] for j in keep}
             for j, w in weights.items():
                 c.execute("UPDATE round_shares SET weight = ? WHERE round = ? AND client = ?", (w, r, j))
