@@ -99,7 +99,12 @@ class ModelSection:
 class FLSection:
     rounds: int = 40                 # T: rounds of Stage I; no round opens after T
     clients_expected: int = 20       # a round closes early once this many reached both servers
-    min_clients: int = 1             # a round never closes with fewer (the deadline restarts)
+    # A round never closes with fewer participants (the deadline restarts), even once forgotten
+    # clients lower the expected count: a round's public step M_(i-1) - M_i = eta sum_j w_j g_j
+    # is one client's update when it is alone, and another participant's when two are (the
+    # other knows its own term); from 3 on, no single client or observer reads one update
+    # out of it (issue 25, finding 5; docs/service.md). Must be <= clients_expected.
+    min_clients: int = 3
     round_deadline: float = 60.0     # seconds after a round opens; then it closes with whoever made it
     server_lr: float = 0.3           # eta in M_i = M_{i-1} - eta * sum_j w_j g_j (digits default)
     precision: int = 16              # fractional bits of the clients' fixed-point encoding
@@ -242,7 +247,9 @@ def _check(cfg: ServiceConfig) -> None:
     need(cfg.fl.rounds >= 1, "[fl] rounds must be >= 1")
     need(cfg.fl.clients_expected >= 1, "[fl] clients_expected must be >= 1")
     need(1 <= cfg.fl.min_clients <= cfg.fl.clients_expected,
-         "[fl] min_clients must be in 1..clients_expected")
+         f"[fl] min_clients must be in 1..clients_expected (got {cfg.fl.min_clients} and "
+         f"{cfg.fl.clients_expected}; the default is 3, so a deployment of fewer clients sets "
+         "min_clients itself, knowing that a round of 1 or 2 publishes a client's update)")
     need(cfg.fl.round_deadline > 0, "[fl] round_deadline must be > 0 seconds")
     need(math.isfinite(cfg.fl.server_lr) and cfg.fl.server_lr > 0, "[fl] server_lr must be > 0")
     need(1 <= cfg.fl.precision <= 30, "[fl] precision must be 1..30 fractional bits")
@@ -382,7 +389,8 @@ def write_scratch_deployment(directory: str | os.PathLike[str], *, clients: int 
                              offline: OfflineMode | str = OfflineMode.DEALER) -> Path:
     """Keys (servers, dealer, admin, client-0..N-1) and a config on free loopback ports.
 
-    Returns the path of ``config.toml``. ``overrides`` maps section -> {key: value}. The
+    Returns the path of ``config.toml``. ``overrides`` maps section -> {key: value};
+    ``fl.min_clients``, unless given, is min(3, clients_expected). The
     daemons read ``keys/`` (certificates, their keys, ``ca.pem``, ``crl.pem``); the CA's
     private key goes to ``ca-offline/`` beside it, never into ``keys/``, because a daemon
     refuses a key directory that holds it (``tls.check_key_dir``). For demos and tests; a
@@ -409,6 +417,11 @@ def write_scratch_deployment(directory: str | os.PathLike[str], *, clients: int 
         if name not in _SECTIONS:
             raise ConfigError(f"unknown section {name!r}")
         cfg = dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **values)})
+    if "min_clients" not in (overrides or {}).get("fl", {}):
+        # the default cohort (3) where clients_expected allows it; a scratch deployment of 1-2
+        # clients needs all of them in every round; a caller who wants less says so
+        cfg = dataclasses.replace(cfg, fl=dataclasses.replace(
+            cfg.fl, min_clients=min(FLSection.min_clients, cfg.fl.clients_expected)))
     text = render_config(cfg)
     (d / "config.toml").write_text(text)
     load_config(d / "config.toml")  # validate what we wrote

@@ -462,6 +462,11 @@ def cmd_init_deployment(args: argparse.Namespace) -> int:
     print(f"WARNING: {ca_dir} holds the CA's private key (it can mint any certificate, admin "
           f"included): move it off this machine; `starfish keys issue|revoke --ca-dir` need it, "
           f"no daemon does", file=sys.stderr)
+    cohort = load_config(path).fl.min_clients
+    if cohort < 3:   # the file says min_clients = 1 or 2: say what that costs (issue 25, finding 5)
+        print(f"WARNING: [fl] min_clients = {cohort} (every round needs all {args.clients} clients); "
+              f"a round of fewer than 3 lets its step M_(i-1) - M_i show one client's update "
+              f"(alone: to anyone; of 2: to the other), erased or not", file=sys.stderr)
     dealer = f"starfish dealer --config {path}; " if args.offline == "dealer" else ""
     print(f"start: {dealer}starfish server --party 1 --config {path}; starfish server --party 0 "
           f"--config {path}; starfish clients --config {path} --n {args.clients}")

@@ -99,7 +99,12 @@ class RoundFollower(RoundCoordinator):
                              f"the range check passed here ({sorted(passed or ())})")
 
     def _check_staged(self, r: int, parts: list[int], given: dict[int, int]) -> None:
-        """Server 1: every participant of the open round has an upload here, with that |D_j|."""
+        """Server 1: the open round has at least ``min_clients`` participants, and each has an
+        upload here with that |D_j|. The cohort is checked here too so that a leader with a
+        smaller setting (or a bug) cannot publish a round of fewer (issue 25, finding 5)."""
+        if len(parts) < self.cfg.fl.min_clients:
+            raise ValueError(f"round {r}: {len(parts)} participants, fewer than min_clients = "
+                             f"{self.cfg.fl.min_clients} here")
         staged = set(self.store.staged(r))
         mine = self.state.sizes(r)
         missing = [j for j in parts if j not in staged]

@@ -8,8 +8,9 @@ Each step (:meth:`RoundLeader.lead_forever`) asks server 1 for its view
 2. gives the step to the job scheduler (a receipt to send, a job to adopt or to run);
 3. while a job is queued, running or waiting for adoption, does nothing more: FL waits;
 4. closes the open round once ``clients_expected`` clients reached *both* servers with the
-   same |D_j| (after ``round_deadline``, ``min_clients`` suffice): range check, then the
-   FedAvg close (share sums exchanged) or the robust one (aggregation session, digests).
+   same |D_j| (after ``round_deadline``, ``min_clients`` suffice; never fewer than
+   ``min_clients``, even when forgotten clients lower the expected count): range check, then
+   the FedAvg close (share sums exchanged) or the robust one (aggregation session, digests).
 """
 
 from __future__ import annotations
@@ -141,8 +142,12 @@ class RoundLeader(RoundCoordinator):
                         if j in theirs and mine.get(j) == theirs[j] and j not in refused)
         late = time.monotonic() >= self._round_opened + self.cfg.fl.round_deadline
         expected = self.expected_clients() - len(refused)
-        if len(common) >= expected or (late and len(common) >= self.cfg.fl.min_clients):
-            common = self._first_staged(r, common, expected)
+        # min_clients bounds every close, the early one too: forgotten or refused clients can
+        # bring ``expected`` below it, and a round of 1 or 2 publishes a client's update in its
+        # step (issue 25, finding 5). Keeping up to min_clients (<= clients_expected) keeps N in range.
+        cohort = self.cfg.fl.min_clients
+        if len(common) >= cohort and (len(common) >= expected or late):
+            common = self._first_staged(r, common, max(expected, cohort))
             if self.cfg.fl.range_check:
                 passed = self._range_check(r, common)
                 if passed != common:

@@ -29,7 +29,8 @@ BURST, RATE = 20, 5.0
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
     d = Deployment(tmp_path_factory.mktemp("abuse"), clients=4, overrides={
-        "fl": {"rounds": 3, "clients_expected": 2, "round_deadline": 1.0},
+        # min_clients 1: rounds close at the deadline with one client (the default cohort is 3)
+        "fl": {"rounds": 3, "clients_expected": 2, "round_deadline": 1.0, "min_clients": 1},
         "limits": {"request_burst": BURST, "requests_per_second": RATE}})
     try:
         d.start("dealer", ["dealer"])   # the range check of every round runs in 2PC

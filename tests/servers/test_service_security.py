@@ -29,7 +29,8 @@ HARD_CAP = 256 * 1024
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
     d = Deployment(tmp_path_factory.mktemp("sec"), clients=3, overrides={
-        "fl": {"rounds": 3, "clients_expected": 2, "round_deadline": 1.0},
+        # min_clients 1: the deadline closes round 1 with one client (the default cohort is 3)
+        "fl": {"rounds": 3, "clients_expected": 2, "round_deadline": 1.0, "min_clients": 1},
         "limits": {"max_message_bytes": LIMIT, "max_frame_bytes": HARD_CAP}})
     try:
         d.start("dealer", ["dealer"])   # the range check of every round runs in 2PC
