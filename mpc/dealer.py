@@ -101,7 +101,7 @@ class DealerServer:
             ch = Channel.wrap_accepted(sock, self._ctx, lambda n: n in tls.PARTY_NAMES, kind="offline",
                                        timeout=self._timeout, **limit, **self.admission.channel_options())
         except ChannelError as exc:
-            log.info("refused a dealer connection: %s", exc)  # anyone can cause this: not a warning
+            self.admission.handshake_failed(exc)  # anyone can cause this: rate-limited, not a warning
             return
         try:
             slot = self.admission.connection(sock, ch.peer)

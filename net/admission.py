@@ -95,6 +95,9 @@ class Admission:
         self._dropped = 0           # handshakes dropped since the last log summary
         self._dropped_total = 0
         self._logged_at = 0.0
+        self._failed = 0            # failed handshakes not yet in a log line
+        self._failed_total = 0
+        self._failed_logged_at: float | None = None
 
     @classmethod
     def from_limits(cls, name: str, limits: Any) -> "Admission":
@@ -173,6 +176,31 @@ class Admission:
                         self.name, self._dropped, self.max_handshakes)
             self._dropped, self._logged_at = 0, now
 
+    def handshake_failed(self, exc: object, now: float | None = None) -> None:
+        """A handshake on this port failed (TLS, certificate, hello, deadline): log it, at
+        most one line per ``_LOG_EVERY`` seconds. Anyone who can reach the port can cause
+        one, so a line each let a stranger write 0.3 GB of log an hour (issue 25, finding 7).
+        The first failure after a quiet interval is logged with its reason at once; the ones
+        after it are counted, and the next line says how many there were and the last reason.
+        A summary is written when the next failure comes after the interval (a flood that
+        stops leaves its last count unwritten; ``counts()["handshake_failures"]`` has it).
+        Every reason not in an INFO line goes to DEBUG."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._failed += 1
+            self._failed_total += 1
+            if self._failed_logged_at is not None and now - self._failed_logged_at < _LOG_EVERY:
+                # each reason stays available at DEBUG (off in the daemons) for diagnosis
+                log.debug("%s port: a handshake failed: %s", self.name, exc)
+                return
+            n, since, self._failed = self._failed, self._failed_logged_at, 0
+            self._failed_logged_at = now
+        if n == 1:
+            log.info("%s port: a handshake failed: %s", self.name, exc)
+        else:
+            log.info("%s port: %d handshakes failed in the last %.0f s (the last: %s)",
+                     self.name, n, now - since, exc)
+
     # ------------------------------------------------------------------ stage 2: connections
     def connection(self, sock: socket.socket | None, identity: str) -> "_Held":
         """Turn ``sock``'s handshake into a connection of ``identity``, or raise ``Refused``.
@@ -210,7 +238,8 @@ class Admission:
         """What is held right now (for tests and status)."""
         with self._lock:
             return {"handshakes": len(self._pending), "connections": self._connections,
-                    "by_identity": dict(self._by_identity), "dropped": self._dropped_total}
+                    "by_identity": dict(self._by_identity), "dropped": self._dropped_total,
+                    "handshake_failures": self._failed_total}
 
 
 class _Held:

@@ -145,7 +145,8 @@ def accept_peer(listener: socket.socket, ctx: ssl.SSLContext, peer_name: str, ti
                     state.winner, ch, won = ch, None, True
                     state.wake_w.send(b"!")
         except (ChannelError, OSError) as exc:
-            log.info("%s port: dropped a connection from %s:%s: %s", kind, addr[0], addr[1], exc)
+            # anyone who reaches the port can cause this: rate-limited like the other ports
+            state.pool.handshake_failed(f"dropped a connection from {addr[0]}:{addr[1]}: {exc}")
         finally:
             state.pool.release(sock)
             if ch is not None:

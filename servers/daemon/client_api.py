@@ -159,7 +159,7 @@ class ClientAPI:
                                        max_frame=self.cfg.limits.max_frame_bytes,
                                        **self._admission.channel_options())
         except ChannelError as exc:
-            log.info("refused a client connection: %s", exc)
+            self._admission.handshake_failed(exc)   # anyone can cause this: rate-limited
             return
         who = ch.peer
         try:

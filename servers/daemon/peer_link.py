@@ -136,7 +136,7 @@ class PeerServer:
                                        timeout=self._timeout, max_frame=self._max,
                                        **self.admission.channel_options())
         except ChannelError as exc:
-            log.info("refused a control-link connection: %s", exc)  # anyone can cause this
+            self.admission.handshake_failed(exc)  # anyone can cause this: rate-limited
             return
         try:
             slot = self.admission.connection(sock, ch.peer)

@@ -87,6 +87,8 @@ def _assert_closed_soon(sock: socket.socket, within: float) -> None:
 
 def test_wrong_ticket_is_refused_and_the_right_one_admitted(keys, caplog):
     caplog.set_level(logging.INFO, logger="starfish.peer")
+    # vetting failures: at most one INFO line per interval, every reason at DEBUG (issue 25, 7)
+    caplog.set_level(logging.DEBUG, logger="starfish.admission")
     listener = chmod.listen()
     addr = listener.getsockname()
     p1 = _Party1(keys, listener, b"job:7:attempt:2")
@@ -109,6 +111,8 @@ def test_wrong_ticket_is_refused_and_the_right_one_admitted(keys, caplog):
 
 def test_strays_and_a_stale_connection_do_not_block_the_session(keys, caplog):
     caplog.set_level(logging.INFO, logger="starfish.peer")
+    # vetting failures: at most one INFO line per interval, every reason at DEBUG (issue 25, 7)
+    caplog.set_level(logging.DEBUG, logger="starfish.admission")
     listener = chmod.listen()
     addr = listener.getsockname()
     # party 0's connection from an earlier attempt, still queued: TCP done, TLS never answered
