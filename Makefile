@@ -22,7 +22,7 @@ demo: setup
 	$(VENV)/bin/starfish demo
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 clean:
 	rm -rf $(VENV)
