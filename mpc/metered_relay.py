@@ -32,6 +32,8 @@ from net.metering import Meter
 __all__ = ["RelayPair", "Relay"]
 
 _CHUNK = 1 << 16
+#: seconds a relay keeps retrying a target that refuses connections (it is starting up)
+CONNECT_PATIENCE = 10.0
 # struct tcp_info (linux/tcp.h): tcpi_bytes_received at 128, tcpi_bytes_sent at 200 (Linux >= 5.5)
 _TCPI_RECEIVED, _TCPI_SENT, _TCPI_LEN = 128, 200, 208
 
@@ -137,25 +139,46 @@ class Relay:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            if not self._target_set.wait(60.0):
-                conn.close()
-                continue
+            threading.Thread(target=self._forward, args=(conn,), daemon=True, name="relay-connect").start()
+
+    def _connect_target(self) -> socket.socket | None:
+        """A connection to the target, retried while it is not listening yet.
+
+        At start-up each side's library dials before the other side's listener (its relay, or the
+        library behind it) is up; a connection closed at once would fail the library's TLS
+        handshake and make it log an error for a healthy start. So a refused connect is retried
+        for up to ``CONNECT_PATIENCE`` seconds, which the library sees only as a slow handshake.
+        """
+        deadline = time.monotonic() + CONNECT_PATIENCE
+        while not self._stop.is_set():
             try:
                 out = socket.create_connection(self._target, timeout=10)
                 out.settimeout(None)
+                return out
             except OSError:
-                conn.close()
-                continue
-            for s in (conn, out):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._socks += [conn, out]
-                self._peer_socks.append(conn if self._inbound else out)
-            self._watch.opened()
-            # the accepted side of an inbound relay is the peer: its bytes are received here
-            local_closed = threading.Event()   # our own library ended this connection first
-            self._pump(conn, out, received=self._inbound, local_closed=local_closed)
-            self._pump(out, conn, received=not self._inbound, local_closed=local_closed)
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.05)
+        return None
+
+    def _forward(self, conn: socket.socket) -> None:
+        if not self._target_set.wait(60.0):
+            conn.close()
+            return
+        out = self._connect_target()
+        if out is None:
+            conn.close()
+            return
+        for s in (conn, out):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            self._socks += [conn, out]
+            self._peer_socks.append(conn if self._inbound else out)
+        self._watch.opened()
+        # the accepted side of an inbound relay is the peer: its bytes are received here
+        local_closed = threading.Event()   # our own library ended this connection first
+        self._pump(conn, out, received=self._inbound, local_closed=local_closed)
+        self._pump(out, conn, received=not self._inbound, local_closed=local_closed)
 
     def _pump(self, src: socket.socket, dst: socket.socket, *, received: bool,
               local_closed: threading.Event) -> None:
