@@ -224,12 +224,7 @@ class JobScheduler:
                     self.store.update_job(jid, state=JobState.FAILED, error="the request reached server 0 only")
                     continue
                 return None   # the oldest job waits for server 1; the later ones wait behind it
-            if not o.same_request(m):
-                self.store.update_job(jid, state=JobState.FAILED, error="the servers hold different requests")
-                self.peer.call(JobFail(jid, "the servers hold different requests"))
-                continue
-            if o.state in (JobState.FAILED, JobState.CANCELLED):
-                self.store.update_job(jid, state=o.state, error=f"server 1: {o.error or o.state}")
+            if self._end_if_they_differ(jid, m, o):
                 continue
             if (m.state == o.state == JobState.COMPUTED and m.result_digest is not None
                     and m.result_digest == o.result_digest):
@@ -238,6 +233,18 @@ class JobScheduler:
                 return "run", m, o
             return None   # server 1 still runs an abandoned run of it; it notices and re-queues
         return None
+
+    def _end_if_they_differ(self, jid: str, m: JobRecord, o: JobRow) -> bool:
+        """End a job the servers cannot agree on (other requests under one id, or server 1
+        ended it); True if it was ended here."""
+        if not o.same_request(m):
+            self.store.update_job(jid, state=JobState.FAILED, error="the servers hold different requests")
+            self.peer.call(JobFail(jid, "the servers hold different requests"))
+            return True
+        if o.state in (JobState.FAILED, JobState.CANCELLED):
+            self.store.update_job(jid, state=o.state, error=f"server 1: {o.error or o.state}")
+            return True
+        return False
 
     def _agreement(self, mine: Mapping[str, JobRecord], theirs: Mapping[str, JobRow], now: float,
                    agree: float) -> tuple[str, JobRecord, JobRow] | None:
@@ -254,12 +261,7 @@ class JobScheduler:
                 if now - m.created_at > agree:
                     self.store.update_job(jid, state=JobState.FAILED, error="the request reached server 0 only")
                 continue   # it pauses nothing meanwhile
-            if not o.same_request(m):
-                self.store.update_job(jid, state=JobState.FAILED, error="the servers hold different requests")
-                self.peer.call(JobFail(jid, "the servers hold different requests"))
-                continue
-            if o.state in (JobState.FAILED, JobState.CANCELLED):
-                self.store.update_job(jid, state=o.state, error=f"server 1: {o.error or o.state}")
+            if self._end_if_they_differ(jid, m, o):
                 continue
             if m.state == JobState.REQUESTED:
                 others = [j.id for j in mine.values()
