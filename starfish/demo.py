@@ -128,8 +128,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                      "after a successful run)")
     p.add_argument("--keep", action="store_true", help="keep the temporary deployment directory")
     p.add_argument("--timeout", type=float, default=None,
-                   help="give up after this many seconds (540; 1800 with --offline two-party, where every "
-                        "FL round's range check starts a two-party engine: about 10 s a round here)")
+                   help="give up after this many seconds (540; 1800 with --offline two-party, whose 2PC "
+                        "steps are slower: the servers make every correlation between themselves)")
     p.add_argument("--n", type=int, default=8, help="--runtime: vector length (8)")
     p.add_argument("--seed", type=int, default=4, help="--runtime: seed of the input values (4)")
     progress.add_quiet_argument(p)
