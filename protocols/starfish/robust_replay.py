@@ -17,7 +17,7 @@ Per replayed round (``rule_of(t)`` says which rule made round t, :class:`RoundRu
   when lam is None (the rule's threshold for the replay's voters), opened, times the *FL
   round's* step scale / t**decay (``step``), so a replayed round moves as far as it did in FL;
 * ``fedseca``: each row's sparsification threshold lambda_k = the gamma-quantile of its |g_hat|
-  (``robust_aggregation.secure_quantile_thresholds``: no client reported it for an estimate),
+  (``secure_quantile.secure_quantile_thresholds``: no client reported it for an estimate),
   then CRISE + RoCA (``robust_aggregation.fedseca``) with those thresholds, the aggregate
   opened, then server momentum in the clear: d = beta d_prev + (1 - beta) g_tilde, restarted
   (d_prev = 0) at the replay's first FedSECA round, after a replayed round of another rule, and
@@ -54,7 +54,8 @@ import torch
 
 from common.robust_rules import BRACE_LAMBDA, FEDSECA_BETA, FEDSECA_GAMMA, brace_lambda
 from protocols import backend as B
-from protocols.robust_aggregation import brace_sign, fedseca, momentum, secure_quantile_thresholds
+from protocols.robust_aggregation import brace_sign, fedseca, momentum
+from protocols.secure_quantile import secure_quantile_thresholds
 
 from protocols.backend import reveal, weighted_sum
 from .replay import Meter, no_meter

@@ -59,7 +59,7 @@ def fedseca_once(party, g: np.ndarray, lam: np.ndarray) -> None:
 
 def quantile_cases(party, cases: list) -> list:
     """``secure_quantile_thresholds`` on party 0's updates, opened for the comparison."""
-    from protocols.robust_aggregation import secure_quantile_thresholds
+    from protocols.secure_quantile import secure_quantile_thresholds
     return [_open(secure_quantile_thresholds(_shared(c["g"], 0), c["gamma"])) for c in cases]
 
 

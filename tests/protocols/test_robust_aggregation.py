@@ -24,6 +24,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from protocols import robust_aggregation as ra
+from protocols.secure_quantile import secure_quantile_thresholds
 from protocols.robust_aggregation import (brace_sign, check_thresholds, fedseca, fedseca_elected_signs,
                                           fedseca_parts, median_network, momentum, partition_network,
                                           quantile_thresholds)
@@ -476,4 +477,4 @@ def test_secure_quantile_2pc_is_the_order_statistic(pair):
     for case, lam, lam1 in zip(cases, got, got1):
         np.testing.assert_array_equal(lam, lam1)
         np.testing.assert_array_equal(lam, oracle_threshold(case["g"], case["gamma"]))
-        np.testing.assert_array_equal(lam, ra.secure_quantile_thresholds(_t(case["g"]), case["gamma"]).numpy())
+        np.testing.assert_array_equal(lam, secure_quantile_thresholds(_t(case["g"]), case["gamma"]).numpy())
