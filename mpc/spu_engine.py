@@ -198,6 +198,10 @@ class SpuEngine:
             self.broken = True
             self._proc.join(1.0)
             code = self._proc.exitcode if self._proc is not None else None
+            if self._peer_gone.is_set() or (self._channel is not None and self._channel.peer_closed):
+                # the engine library may crash (SIGSEGV) on a link its peer dropped: name the cause
+                raise EngineError("the peer's two-party engine is gone (its link closed; ours then "
+                                  f"ended with exit code {code})") from None
             raise EngineError(f"the two-party engine process ended (exit code {code})") from None
         self._account(counts)
         if status != "ok":
