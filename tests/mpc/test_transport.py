@@ -197,7 +197,10 @@ def test_link_emulation_matches_the_analytic_model():
         measured = sum(r["seconds"] for r in rows) / 2  # parties' residual clock skew cancels
         analytic = rows[0]["online_rounds"] * latency + rows[0]["online_bytes_sent"] * 8 / bw
         assert measured >= analytic * 0.999
-        assert abs(measured - analytic) / analytic < 0.10, (step, measured, analytic)
+        # the emulated delays are a floor; above it is the parties' own compute, which a busy
+        # 2-core machine stretches (CI under load saw +15.5%): the bound catches a missing or
+        # doubled delay, not a slow machine
+        assert abs(measured - analytic) / analytic < 0.30, (step, measured, analytic)
     assert res.meters[0]["steps"]["latency"]["online_rounds"] == k
     assert res.meters[0]["steps"]["latency"]["seconds"] >= k * latency
 

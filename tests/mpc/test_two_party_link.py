@@ -109,7 +109,9 @@ def test_a_refused_engine_link_gives_up_within_its_timeout(refused):
     values, _ = refused
     for outcome, seconds, _, _ in values:
         assert outcome == "EngineError"
-        assert seconds <= min(ENGINE_TIMEOUT, 30.0) + 5.0, seconds
+        # the engine's own start-up counts too, which a loaded machine slows (CI saw 7.2 s for
+        # a 1 s timeout); an engine that ignored its timeout would wait out the session (150 s)
+        assert seconds <= min(ENGINE_TIMEOUT, 30.0) + 15.0, seconds
 
 
 def test_the_right_certificate_links_and_computes():
