@@ -154,7 +154,12 @@ class LimitsSection:
     # Before TLS proves who connected, a connection may only use a small, separate pool for a
     # short time: counted with the authenticated ones, idle sockets locked everyone out (issue 14).
     handshake_timeout: float = 5.0      # seconds for TLS + hello, whatever the peer sends
-    max_handshakes: int = 64            # unauthenticated connections at once; the oldest is dropped
+    max_handshakes: int = 64            # unauthenticated connections at once; see net/admission.py
+    # One address churning connections must not slow everyone's handshakes (issue 25, finding
+    # 7): an address that has not authenticated before gets a handshake thread for this many
+    # connections a second (this many at once); the rest wait without one. 0: no such rate.
+    handshake_rate_per_source: float = 20.0
+    handshake_burst_per_source: int = 16
     max_connections_per_identity: int = 4   # authenticated connections of one certificate name
     # Bytes held by frames being received or waiting for their handler, per port.
     max_buffered_bytes: int = 2 << 30   # all connections of one client API (or of the dealer)
@@ -289,6 +294,8 @@ def _check(cfg: ServiceConfig) -> None:
     need(lim.idle_timeout > 0 and lim.peer_timeout > 0 and lim.handshake_timeout > 0,
          "[limits] timeouts must be > 0")
     need(lim.max_handshakes >= 1, "[limits] max_handshakes must be >= 1")
+    need(lim.handshake_rate_per_source >= 0 and lim.handshake_burst_per_source >= 1,
+         "[limits] need handshake_rate_per_source >= 0 (0: none) and handshake_burst_per_source >= 1")
     need(1 <= lim.max_connections_per_identity <= lim.max_connections,
          "[limits] need 1 <= max_connections_per_identity <= max_connections")
     # a frame the cap admits must fit the budgets, or it would be dropped by them instead

@@ -12,6 +12,11 @@ written on at ``max(t, link free) + bytes x 8 / bandwidth + latency`` by a secon
 chunks in flight overlap as on a FIFO link. A round is counted when this party sends after it
 has received (or when a meter step opened since), as ``net.channel`` counts them.
 
+Who may connect (issue 25, finding 7): the inbound relay listens where the peer can reach it,
+so anyone else can too; a ``RelayGate`` (``mpc.relay_gate``) forwards only connections from
+the peer's address and at most ``MAX_LINK_CONNECTIONS`` at once, closing the rest at accept,
+before a thread is started. The peer's certificate is still checked by the library's TLS.
+
 The relays also watch the peer (``_PeerWatch``): once the link is up, the peer closing every
 peer-facing connection means its engine process is gone, and a long-lived engine's parent
 (``mpc.spu_engine``) then fails the call in flight at once instead of at the library's timeout.
@@ -28,6 +33,8 @@ from typing import Callable
 
 from net.link import NO_LINK, LinkProfile
 from net.metering import Meter
+
+from .relay_gate import MAX_LINK_CONNECTIONS, Countdown, RelayGate
 
 __all__ = ["RelayPair", "Relay"]
 
@@ -102,8 +109,13 @@ class Relay:
 
     def __init__(self, target: tuple[str, int] | None, state: _RoundState, *, inbound: bool,
                  link: LinkProfile = NO_LINK, host: str = "127.0.0.1", port: int = 0,
-                 watch: _PeerWatch | None = None):
+                 watch: _PeerWatch | None = None, peer_host: str | None = None,
+                 max_connections: int = MAX_LINK_CONNECTIONS):
         """``target`` may be set later (``set_target``); connections wait for it up to 60 s.
+
+        ``peer_host``: the only address whose connections are forwarded (``None``: any, for a
+        relay that listens on loopback for our own library). ``max_connections``: forwarded at
+        once; more are closed at accept (``mpc.relay_gate``).
 
         ``watch`` learns of every peer-facing connection and whether the peer or our side ended
         it: how a long-lived engine learns, while it waits inside a call, that the peer's engine
@@ -121,6 +133,7 @@ class Relay:
         self._socks: list[socket.socket] = []
         self._peer_socks: list[socket.socket] = []
         self._lock = threading.Lock()
+        self.gate = RelayGate(peer_host, max_connections)
         self._listener = socket.create_server((host, port), backlog=64)
         self._thread = threading.Thread(target=self._accept, name="relay-accept", daemon=True)
         self._thread.start()
@@ -136,9 +149,12 @@ class Relay:
     def _accept(self) -> None:
         while not self._stop.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, addr = self._listener.accept()
             except OSError:
                 return
+            if not self.gate.admit(addr[0]):
+                conn.close()   # no thread, no connect to our library: a stranger costs an accept
+                continue
             threading.Thread(target=self._forward, args=(conn,), daemon=True, name="relay-connect").start()
 
     def _connect_target(self) -> socket.socket | None:
@@ -164,10 +180,12 @@ class Relay:
     def _forward(self, conn: socket.socket) -> None:
         if not self._target_set.wait(60.0):
             conn.close()
+            self.gate.release()
             return
         out = self._connect_target()
         if out is None:
             conn.close()
+            self.gate.release()
             return
         for s in (conn, out):
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -177,20 +195,21 @@ class Relay:
         self._watch.opened()
         # the accepted side of an inbound relay is the peer: its bytes are received here
         local_closed = threading.Event()   # our own library ended this connection first
-        self._pump(conn, out, received=self._inbound, local_closed=local_closed)
-        self._pump(out, conn, received=not self._inbound, local_closed=local_closed)
+        pumps = Countdown(2, self.gate.release)  # the slot is free once both directions are done
+        self._pump(conn, out, received=self._inbound, local_closed=local_closed, done=pumps)
+        self._pump(out, conn, received=not self._inbound, local_closed=local_closed, done=pumps)
 
     def _pump(self, src: socket.socket, dst: socket.socket, *, received: bool,
-              local_closed: threading.Event) -> None:
+              local_closed: threading.Event, done: Countdown) -> None:
         if received and self._link.emulated:
             queue: collections.deque = collections.deque()
             ready = threading.Condition()
             threading.Thread(target=self._read, args=(src, dst, queue, ready, local_closed), daemon=True,
                              name="relay-read").start()
-            threading.Thread(target=self._deliver, args=(dst, src, queue, ready, local_closed), daemon=True,
-                             name="relay-deliver").start()
+            threading.Thread(target=self._deliver, args=(dst, src, queue, ready, local_closed, done),
+                             daemon=True, name="relay-deliver").start()
         else:
-            threading.Thread(target=self._copy, args=(src, dst, received, local_closed), daemon=True,
+            threading.Thread(target=self._copy, args=(src, dst, received, local_closed, done), daemon=True,
                              name="relay-copy").start()
 
     def _peer_pump_ended(self, local_closed: threading.Event) -> None:
@@ -200,7 +219,8 @@ class Relay:
     def _count(self, n: int, received: bool) -> None:
         (self._state.on_received if received else self._state.on_sent)(n)
 
-    def _copy(self, src: socket.socket, dst: socket.socket, received: bool, local_closed: threading.Event) -> None:
+    def _copy(self, src: socket.socket, dst: socket.socket, received: bool, local_closed: threading.Event,
+              done: Countdown) -> None:
         reading = True   # False while writing: a failed write is the other side's end
         try:
             while True:
@@ -218,6 +238,7 @@ class Relay:
         _close(src, dst)
         if received:
             self._peer_pump_ended(local_closed)
+        done.tick()
 
     def _read(self, src, dst, queue, ready, local_closed: threading.Event) -> None:
         free = 0.0
@@ -239,7 +260,7 @@ class Relay:
             ready.notify()
         self._peer_pump_ended(local_closed)
 
-    def _deliver(self, dst, src, queue, ready, local_closed: threading.Event) -> None:
+    def _deliver(self, dst, src, queue, ready, local_closed: threading.Event, done: Countdown) -> None:
         try:
             while True:
                 with ready:
@@ -256,6 +277,7 @@ class Relay:
         except OSError:
             local_closed.set()   # our library's socket refused the data: our side ended it
         _close(src, dst)
+        done.tick()   # the read side ends with us: it queued our end, or its socket is closed now
 
     def kernel_totals(self) -> tuple[int, int]:
         """(sent, received) on the peer-facing sockets as the kernel counts them (TCP_INFO): an
@@ -284,20 +306,23 @@ class RelayPair:
     ``outbound`` is what our library dials to reach the peer's inbound relay."""
 
     def __init__(self, meter: Meter, kind: Callable[[], str], link: LinkProfile = NO_LINK,
-                 listen_host: str = "127.0.0.1", on_peer_closed: Callable[[], None] | None = None):
+                 listen_host: str = "127.0.0.1", on_peer_closed: Callable[[], None] | None = None,
+                 peer_host: str | None = None):
         """``on_peer_closed``: called when the peer has closed every peer-facing connection of
-        both relays, once ``arm()`` has been called (the link is up)."""
+        both relays, once ``arm()`` has been called (the link is up). ``peer_host``: the only
+        address the inbound relay forwards (``None``: any; tests of the relay alone)."""
         self.state = _RoundState(meter, kind)
         self.watch = _PeerWatch(on_peer_closed)
         self._link = link
         self._listen_host = listen_host
+        self._peer_host = peer_host
         self.inbound: Relay | None = None
         self.outbound: Relay | None = None
 
     def open_inbound(self, own_listener: tuple[str, int] | None = None) -> tuple[str, int]:
         """The peer-facing relay; its target (our library's listener) may be set later."""
         self.inbound = Relay(own_listener, self.state, inbound=True, link=self._link, host=self._listen_host,
-                             watch=self.watch)
+                             watch=self.watch, peer_host=self._peer_host)
         return self.inbound.address
 
     def open_outbound(self, peer_inbound: tuple[str, int]) -> tuple[str, int]:

@@ -143,7 +143,8 @@ class SpuEngine:
             self._peer_gone = ctx.Event()
             self._proc = ctx.Process(target=engine_main, name=f"engine{rank}", daemon=False,
                                      args=(child, dict(rank=rank, dir=self._dir, cert=cert, key=key, link=link,
-                                                       listen_host=own_host, timeout=timeout,
+                                                       listen_host=own_host, peer_host=peer_host,
+                                                       timeout=timeout,
                                                        link_timeout=link_timeout,
                                                        log_level=logging.getLogger().level),
                                            self._peer_gone))

@@ -118,8 +118,11 @@ class _Engine:
         self.meter = Meter()
         self.kind = "online"
         # a peer-facing connection closed by the peer: the parent, waiting on a call, fails fast
+        # the inbound relay forwards only the peer's address (where the session's channel came
+        # from), a few connections at once: anyone can reach it (mpc.relay_gate)
         self.relays = RelayPair(self.meter, lambda: self.kind, params["link"], listen_host=params["listen_host"],
-                                on_peer_closed=peer_gone.set if peer_gone is not None else None)
+                                on_peer_closed=peer_gone.set if peer_gone is not None else None,
+                                peer_host=params.get("peer_host"))
         self.inbound = self.relays.open_inbound()
         self.link = None
         self.runtimes: dict[int, Any] = {}

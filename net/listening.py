@@ -1,13 +1,14 @@
 """Listening sockets and the loop that hands each accepted connection to a handler thread.
 
 With an ``admission`` (``net.admission.Admission``) every accepted socket is counted as a
-pending handshake from the moment it is accepted: the pool is bounded (the oldest pending
-handshake is dropped when it is full) and each is cut off at its deadline, which this loop
-enforces between accepts. The loop takes everything the kernel has queued at once, so that
-a burst of strangers is mostly closed before a thread is started for it: starting (and then
-waking) a thread per stranger made draining 1,000 queued sockets take a second, during which
-an authenticated client queued behind them waited. Without one the loop behaves as it always did (``admit`` may
-refuse a socket before its thread starts).
+pending handshake from the moment it is accepted: the pool is bounded (when it is full, the
+source holding the most loses its oldest) and each is cut off at its deadline, which this loop
+enforces between accepts; sockets over their source's rate wait without a thread until this
+loop hands them one (``take_waiting``). The loop takes everything the kernel has queued at
+once, so that a burst of strangers is mostly closed before a thread is started for it:
+starting (and then waking) a thread per stranger made draining 1,000 queued sockets take a
+second, during which an authenticated client queued behind them waited. Without one the loop
+behaves as it always did (``admit`` may refuse a socket before its thread starts).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class HandshakePool(Protocol):
     def offer_batch(self, socks: list[socket.socket]) -> list[socket.socket]: ...
 
     def expire(self, now: float | None = None) -> float | None: ...
+
+    def take_waiting(self, now: float | None = None) -> tuple[list[socket.socket], float | None]: ...
 
     def release(self, sock: socket.socket) -> None: ...
 
@@ -92,10 +95,26 @@ def accept_loop(
     ``admission`` bounds and times the handshakes (see the module docstring); the handler then
     calls ``admission.connection(sock, identity)`` once it knows who connected."""
     listener.settimeout(poll)
+
+    def start(socks: list[socket.socket]) -> None:
+        for sock in socks:
+            threading.Thread(target=_handle, args=(handle, sock, admission), name=name,
+                             daemon=True).start()
+
+    wait = poll
     try:
         while not stop.is_set():
             if admission is not None:
                 admission.expire()  # at least every ``poll`` seconds, and after every accept
+                # parked sockets (over their source's rate) whose turn came; while any is
+                # parked, wake as often as its source earns a token, so one is not kept waiting
+                ready, again = admission.take_waiting()
+                start(ready)
+                wait = poll if again is None else min(poll, again)
+                try:
+                    listener.settimeout(wait)
+                except OSError:
+                    break   # closed: accept would fail too
             try:
                 sock, _ = listener.accept()
             except socket.timeout:
@@ -104,7 +123,7 @@ def accept_loop(
                 break
             batch = [sock]
             if admission is not None:
-                batch += _queued(listener, poll)  # a burst is handled as one, see offer_batch
+                batch += _queued(listener, wait)  # a burst is handled as one, see offer_batch
             kept = []
             for sock in batch:
                 if admit():
@@ -114,9 +133,7 @@ def accept_loop(
             batch = kept
             if admission is not None:
                 batch = admission.offer_batch(batch)
-            for sock in batch:
-                threading.Thread(target=_handle, args=(handle, sock, admission), name=name,
-                                 daemon=True).start()
+            start(batch)
     finally:
         if admission is not None:
             admission.drop_pending()  # no one enforces their deadlines any more
