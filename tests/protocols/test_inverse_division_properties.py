@@ -53,8 +53,9 @@ from tests.helpers import inverse_division_programs as prog
 torch.set_num_threads(1)
 
 LSB = 2.0 ** -16
-#: a 2PC newton call costs ~520 rounds (~1 s); half the profile's examples (default 30 -> 15)
-NEWTON_EXAMPLES = max(5, settings.default.max_examples // 2)
+#: a 2PC newton call costs ~520 rounds (~1 s); a quarter of the profile's examples (default
+#: 30 -> 7, thorough 400 -> 100): the suite's 10-minute budget on 2 cores
+NEWTON_EXAMPLES = max(5, settings.default.max_examples // 4)
 #: relative error of the normalised method: x' = x c rounded (< 2**-15) plus the rounding of
 #: Newton's y' in (1, 2] (up to ~2**-16 .. 2**-15); measured 1.32 * 2**-15 (divide), 0.9 (reciprocal)
 DIV_REL = 2.0 ** -14

@@ -12,7 +12,7 @@ ratio), the model, local epochs and whether the targets carry the backdoor.
 
 Cost: every example runs FL and a 2PC Stage II (about 5-10 s), so the number of examples is a
 fraction of the active hypothesis profile's: ``default`` (30) -> 12 generated examples plus the
-four explicit ones below (about 105 s when all pass), ``thorough``
+explicit ones below (about 105 s when all pass), ``thorough``
 (``--hypothesis-profile=thorough``, 400) -> 160 (about 15 minutes). Shrinking is
 off (each shrink step is another 2PC run); a failure names its whole configuration and the
 figures that differ instead (plaintext cosine ranking near the cut for RS, the differing
@@ -206,8 +206,8 @@ def _ue_figures(run: dict) -> str:
     rest = remaining_clients(run["history"], run["targets"])
     lines, original = [], replay_mod.estimate_updates
 
-    def recording(stored, s, S, Y, inverse=None):
-        est = original(stored, s, S, Y, inverse)
+    def recording(stored, s, S, Y, inverse=None, **kw):
+        est = original(stored, s, S, Y, inverse, **kw)
         stored_t = torch.as_tensor(stored).double()
         for r, j in enumerate(rest):
             sk, yk = S[r, :, -1].double(), torch.as_tensor(Y)[r, :, -1].double()
@@ -265,6 +265,15 @@ def _compare(cfg: Config, run: dict) -> list[str]:
                 method="auto", t_delta="small", model="mlp", epochs=1, backdoor=True, seed=1))
 @example(Config(clients=4, rounds=6, targets=(0,), sigma=0.5, alpha=0.1, beta=0.2, buffer=1,
                 method="auto", t_delta="large", model="logreg", epochs=1, backdoor=False, seed=0))
+# Open (found 2026-11-27 when the example count was lowered and hypothesis drew another set):
+# with 3 of 4 clients forgotten, the last client's threshold check at step 6 comes out flagged in
+# plaintext and not under 2PC, and the models then differ by 5.5e-2. Pinned as an expected
+# failure until it is explained (a fixed-point estimate near the threshold that TC_MARGIN, taken
+# on the plaintext figures, does not catch, or a protocol error): hypothesis fails the run if it
+# starts passing.
+@example(Config(clients=4, rounds=12, targets=(0, 1, 3), sigma=0.485, alpha=0.0, beta=0.128, buffer=2,
+                method="auto", t_delta="small", model="mlp", epochs=1, backdoor=False, seed=2)
+         ).xfail(raises=AssertionError, reason="TC flag differs at step 6 (open, see the comment)")
 @given(cfg=configs())
 def test_secure_stage2_equals_plaintext_twin(cfg: Config):
     note(f"config: {asdict(cfg)}")
