@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/starfish demo
 
+# two workers, one test file each at a time (module fixtures stay shared): much of a service
+# test is waiting on daemons, so two files overlap on these 2 cores
 test: setup
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 clean:
 	rm -rf $(VENV)
