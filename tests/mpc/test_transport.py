@@ -198,9 +198,9 @@ def test_link_emulation_matches_the_analytic_model():
         analytic = rows[0]["online_rounds"] * latency + rows[0]["online_bytes_sent"] * 8 / bw
         assert measured >= analytic * 0.999
         # the emulated delays are a floor; above it is the parties' own compute, which a busy
-        # 2-core machine stretches (CI under load saw +15.5%): the bound catches a missing or
-        # doubled delay, not a slow machine
-        assert abs(measured - analytic) / analytic < 0.30, (step, measured, analytic)
+        # 2-core machine stretches (two test workers: +15.5% and +32.7% seen): the bound
+        # catches a delay applied twice, not a slow machine
+        assert measured < analytic * 1.75, (step, measured, analytic)
     assert res.meters[0]["steps"]["latency"]["online_rounds"] == k
     assert res.meters[0]["steps"]["latency"]["seconds"] >= k * latency
 
