@@ -20,16 +20,16 @@ The default is the paper's Fashion-MNIST CNN (643,850 parameters), 20 clients, b
 epochs). A full round (3,000 images and 5 epochs per client, 4,700 local steps in all) takes
 25-45 minutes per mode on two CPU cores (docs/lab.md); ``--per-client 3000 --epochs 5`` runs it.
 
+Plaintext local training, no 2PC and no link: so neither ``--profile`` nor ``--offline``.
+
     python -m bench.batched_training --per-client 256 --epochs 1 --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,7 +39,8 @@ from clients.datasets import DATASET_NAMES, load_dataset
 from clients.models import MODEL_NAMES, build_model, default_model_name, flatten_params, num_params
 from clients.training import DEVICES, LocalClient, resolve_device, steps_for
 
-from . import progress
+from . import common_options, progress
+from .report import write_json
 
 __all__ = ["add_arguments", "main", "measure"]
 
@@ -64,10 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated: sequential, batched (both)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="timed runs per mode, alternating (1); the fastest and the median reported")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the training subset, the model and the batch orders (0)")
-    parser.add_argument("--out", help="write the result as JSON here")
-    progress.add_quiet_argument(parser)
+    common_options.add_seed(parser, "the training subset, the model and the batch orders")
+    common_options.add_out(parser, "out/training.json")
+    common_options.add_quiet(parser)
 
 
 def _clients(args: argparse.Namespace) -> tuple[list[LocalClient], Any, str]:
@@ -161,8 +161,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         raise SystemExit("--clients, --per-client and --batch-size must be at least 1")
     res = measure(args)
     print(format_result(res))
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=2))
+    print(f"wrote {write_json(args.out, res)}", file=sys.stderr)
     return 0
 
 

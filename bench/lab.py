@@ -35,7 +35,6 @@ from clients.attacks import ALIE_JITTER, ALIE_Z, SCALE
 from clients.datasets import DATASET_NAMES
 from clients.models import MODEL_NAMES
 from clients.training import DEVICES
-from net.channel import LinkProfile
 from protocols.starfish.params import PAPER
 from lab.aggregators import (
     AGGREGATORS,
@@ -53,7 +52,7 @@ from lab.recovery import METHODS, CostRecord, FedEraser, FedRecover, RandomSelec
 from lab.recovery.crab import Crab
 from lab.recovery.fedadp import ADJACENCY, FedADP
 
-from . import progress
+from . import common_options, progress
 from lab.experiment import ATTACK_NAMES, CLIENT_TRAINING_MODES, build_setup, starfish_params
 from .report import human_bytes
 from .secure_lab import run_secure_starfish, step_table
@@ -69,8 +68,9 @@ SECURE_TOLERANCE = 1e-2
 EXIT_DISAGREE = 1
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``starfish lab`` (the CLI wires this into its sub-command)."""
+def add_arguments(parser: argparse.ArgumentParser, secure: bool = True) -> None:
+    """Options of ``starfish lab`` (the CLI wires this into its sub-command); ``secure=False``
+    leaves out the 2PC group, for a plaintext runner that would ignore it."""
     g = parser.add_argument_group("data and federation")
     g.add_argument("--dataset", choices=DATASET_NAMES, default="digits",
                    help="the data set (digits, embedded; the others read --data-dir)")
@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--concentration", type=float, default=0.5, help="Dirichlet parameter")
     g.add_argument("--train-limit", type=int, help="use only this many training samples")
     g.add_argument("--test-limit", type=int, help="use only this many test samples")
-    g.add_argument("--seed", type=int, default=0, help="seed of the data split, M_0 and batch orders (0)")
+    common_options.add_seed(g, "the data split, M_0 and batch orders")
     a = parser.add_argument_group("target and backdoor")
     a.add_argument("--targets", default="0", help="comma-separated client ids to unlearn (0)")
     a.add_argument("--no-backdoor", action="store_true", help="targets train honestly")
@@ -174,26 +174,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "default) or zeroes the update (S, the paper's calibration)")
     u.add_argument("--fedadp-no-dp", action="store_true",
                    help="FedADP without clipping and noise (the paper's 'FedADP without DP')")
-    sec = parser.add_argument_group("2PC")
-    sec.add_argument("--secure", action="store_true",
-                     help="also run Starfish under 2PC (two server processes, TLS, dealer) on the "
-                          "same history, print its per-step online/offline bytes, rounds, seconds, "
-                          "and compare it with plaintext Starfish (run too if --method lacks it): "
-                          "exit 1 if the selected rounds or correction flags differ or the models "
-                          "differ by more than --secure-tolerance")
-    sec.add_argument("--offline", choices=("dealer", "two-party"), default="dealer",
-                     help="--secure: correlated randomness from a dealer process (default) or made "
-                          "between the two servers themselves (no dealer)")
-    sec.add_argument("--secure-tolerance", type=float, default=SECURE_TOLERANCE,
-                     help="largest accepted max |2PC - plaintext| parameter difference for "
-                          f"--secure ({SECURE_TOLERANCE})")
-    sec.add_argument("--latency-ms", type=float, default=0.0,
-                     help="emulated one-way server<->server latency for --secure (0)")
-    sec.add_argument("--bandwidth-mbps", type=float, default=0.0,
-                     help="emulated server<->server bandwidth for --secure, 0 = unlimited (0)")
+    if secure:
+        _add_secure_arguments(parser.add_argument_group("2PC (--secure)"))
     o = parser.add_argument_group("output")
+    # a directory, not the benches' JSON file: the lab writes lab.json and lab.png, and only when asked
     o.add_argument("--out", help="directory for lab.json and lab.png")
-    progress.add_quiet_argument(o)
+    common_options.add_quiet(o)
     t = parser.add_argument_group("client training")
     t.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the clients' local SGD runs (auto: CUDA when torch sees a GPU, else "
@@ -205,6 +191,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1: the lab's small models gain nothing from "
                         "more, and spinning threads stall on a shared machine)")
+
+
+def _add_secure_arguments(sec) -> None:
+    sec.add_argument("--secure", action="store_true",
+                     help="also run Starfish under 2PC (two server processes, TLS, --offline) on the "
+                          "same history, print its per-step online/offline bytes, rounds, seconds, "
+                          "and compare it with plaintext Starfish (run too if --method lacks it): "
+                          "exit 1 if the selected rounds or correction flags differ or the models "
+                          "differ by more than --secure-tolerance")
+    common_options.add_offline(sec)
+    common_options.add_profile(sec)
+    sec.add_argument("--secure-tolerance", type=float, default=SECURE_TOLERANCE,
+                     help="largest accepted max |2PC - plaintext| parameter difference for "
+                          f"--secure ({SECURE_TOLERANCE})")
 
 
 def make_aggregator(args: argparse.Namespace):
@@ -254,6 +254,8 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
     tolerance = getattr(args, "secure_tolerance", SECURE_TOLERANCE)
     if secure_on and not (tolerance >= 0.0):
         raise ValueError(f"--secure-tolerance must be >= 0, got {tolerance}")
+    if secure_on:
+        common_options.profile_of(args)     # a conflicting profile fails now, not after the FL run
     setup = build_setup(args, say)
     cfg, targets, methods = setup.cfg, setup.targets, setup.methods
     if secure_on and "starfish" not in methods:
@@ -378,9 +380,11 @@ def compare_secure(plain_model: torch.Tensor, plain_cost: CostRecord, secure_mod
 def _run_secure(args: argparse.Namespace, history, targets: list[int], costs: dict) -> dict:
     """Starfish under 2PC on ``history`` (bench.secure_lab), compared with the plaintext run."""
     params = starfish_params(args)
-    link = LinkProfile(args.latency_ms / 1000.0, args.bandwidth_mbps * 1e6)
+    profile = common_options.profile_of(args)
+    link = profile.link()
     who = "no dealer" if getattr(args, "offline", "dealer") == "two-party" else "dealer"
-    progress.say(f"starfish (2PC): two server processes + {who} over TLS ...", quiet=args.quiet)
+    progress.say(f"starfish (2PC): two server processes + {who} over TLS, {profile.describe()} ...",
+                 quiet=args.quiet)
     out = run_secure_starfish(args, history, targets, params, link=link,
                               offline=getattr(args, "offline", "dealer"), quiet=args.quiet)
     v0, v1 = out["values"]
@@ -401,7 +405,7 @@ def _run_secure(args: argparse.Namespace, history, targets: list[int], costs: di
         ("flags", v0.get("flags") == v1.get("flags")),
         ("models", np.array_equal(v0["model"], v1["model"]))) if not same]
     return {"model": model, "cost": cost, "steps": steps, "seconds": out["seconds"],
-            "servers_differ": differ, "offline": getattr(args, "offline", "dealer")}
+            "servers_differ": differ, "offline": getattr(args, "offline", "dealer"), "profile": profile.to_json()}
 
 
 def _fmt(v: Any, pct: bool = False, digits: int = 2) -> str:

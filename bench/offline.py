@@ -412,15 +412,10 @@ def measure(fn, args: tuple, *, profile, shaping, cache_dir: str | os.PathLike, 
 
 
 def add_cache_arguments(p) -> None:
-    """--cache-dir, --fresh, --timeout, --offline, --quiet: the options of every benchmark built
-    on ``measure``."""
+    """--cache-dir, --fresh, --timeout: the options of every benchmark built on ``measure``."""
     p.add_argument("--cache-dir", default="out/bench-cache", help="synthetic data, schedules, compute runs")
     p.add_argument("--fresh", action="store_true", help="re-record the schedule and redo the compute run")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a party waits for its peer")
-    p.add_argument("--offline", choices=("dealer", "two-party"), default="dealer",
-                   help="dealer (a third process makes the correlated randomness; default) or two-party "
-                        "(no dealer: the servers make it between themselves, mpc/spu_engine.py)")
-    progress.add_quiet_argument(p)
 
 
 def wire_check(meters: list[dict], offline: str = "dealer") -> dict:

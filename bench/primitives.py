@@ -1,17 +1,21 @@
 """Cost of the secure primitives in ``protocols/``: rounds, online/offline bytes, seconds.
 
-Every primitive runs in a real two-party session (two processes, TLS, dealer) on inputs of
-each requested size; each (primitive, size) is metered as its own step. With the dealer the
-session runs twice: a dry run records the (data-independent) dealer request plan and yields
-the per-step offline (dealer<->servers) bytes; the measured run fetches that material first,
-so its seconds are online time only, as in the paper's tables.
+Every primitive runs in a real two-party session (two processes, TLS) on inputs of each
+requested size; each (primitive, size) is metered as its own step, once per mode of
+``--offline``. With the dealer the session runs twice: a dry run records the (data-independent)
+dealer request plan and yields the per-step offline (dealer<->servers) bytes; the measured run
+fetches that material first, so its seconds are online time only, as in the paper's tables.
+``two-party`` runs once without a dealer: the step makes its correlations itself (its offline
+bytes, party 0's count of the one server link) and its seconds include making them. ``tfp`` is
+an insecure reference. The ``--profile`` link is emulated by the transport on the server link
+and the dealer link.
 
 Sizes are element counts: comparisons for ``ge``/``ge_ratio``/``select``/``reciprocal``/
 ``divide``, vector length for ``inner`` (one inner product), row length for ``max`` and
 ``any_exceeds`` (one row), matrix entries for the inverses (``n / 16`` matrices of 4 x 4, the
 size of the L-BFGS ``W`` with buffer 2), list length for the sorts.
 
-    starfish bench primitives --primitives ge,sort --sizes 1e3,1e5 --out out/primitives.json
+    starfish bench primitives --primitives ge,sort --sizes 1e3,1e5 --profile none --out out/primitives.json
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from mpc import LinkProfile, run_parties
+from mpc import run_parties
 from mpc.crypten_compat import crypten
 from protocols.compare import ge, ge_ratio, select
 from protocols.division import divide, reciprocal
@@ -34,7 +38,7 @@ from protocols.maximum import max as secure_max
 from protocols.sort import bitonic_sort, ratio_comparator, top_k
 from protocols.threshold import any_exceeds
 
-from . import progress
+from . import common_options, progress
 from .report import machine_info, markdown_table, write_json
 
 ELEMENTWISE_SIZES = (1_000, 100_000, 1_000_000)
@@ -147,16 +151,17 @@ def _cases() -> dict[str, Callable]:
     return {name[len("case_"):]: fn for name, fn in locals().items() if name.startswith("case_")}
 
 
-def _program(party, primitive: str, sizes: list[int]) -> dict:
+def _program(party, primitive: str, sizes: list[int], seed: int = 0) -> dict:
     def shared(t, src):
         return crypten.cryptensor(t.to(torch.float64), src=src)
 
     case = _cases()[primitive]
     # First calls pay one-off costs (lazy torch/CrypTen initialisation, ~0.5 s); keep them
     # out of the smallest size's seconds.
-    case(min(sizes), torch.Generator().manual_seed(0), shared)()
+    case(min(sizes), torch.Generator().manual_seed(seed), shared)()
     for n in sizes:
-        gen = torch.Generator().manual_seed(n)
+        # seed 0 draws the inputs measured before --seed existed
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + n)
         work = case(n, gen, shared)  # inputs are shared here, outside the meter (no traffic)
         with party.meter(f"{primitive}:{n}"):
             work()
@@ -165,13 +170,13 @@ def _program(party, primitive: str, sizes: list[int]) -> dict:
 
 # ----------------------------------------------------------------------------- parent side
 def measure(primitive: str, sizes: list[int], provider: str, link, prefill: bool,
-            timeout: float) -> list[dict]:
-    tfp = provider == "tfp"    # the test-only provider; otherwise the dealer
-    dry = run_parties(_program, primitive, sizes, insecure_tfp=tfp, link=link, timeout=timeout)
+            timeout: float, seed: int = 0) -> list[dict]:
+    kw = {"insecure_tfp": provider == "tfp", "link": link, "dealer_link": link, "timeout": timeout,
+          "offline": "two-party" if provider == "two-party" else "dealer"}
+    dry = run_parties(_program, primitive, sizes, seed, **kw)
     res = dry
     if provider == "dealer" and prefill:
-        res = run_parties(_program, primitive, sizes, insecure_tfp=tfp, link=link,
-                          plan=dry.plans[1], timeout=timeout)
+        res = run_parties(_program, primitive, sizes, seed, plan=dry.plans[1], **kw)
     rows = []
     for n in sizes:
         step = f"{primitive}:{n}"
@@ -182,7 +187,9 @@ def measure(primitive: str, sizes: list[int], provider: str, link, prefill: bool
             "n": n,
             "rounds": s0["online_rounds"],
             "online_bytes": s0["online_bytes_sent"] + s0["online_bytes_received"],
-            "offline_bytes": sum(d["offline_bytes_sent"] + d["offline_bytes_received"] for d in (d0, d1)),
+            # two-party: one server link, so party 0's count is all of it
+            "offline_bytes": sum(d["offline_bytes_sent"] + d["offline_bytes_received"]
+                                 for d in ((d0,) if provider == "two-party" else (d0, d1))),
             "seconds": max(s0["seconds"], s1["seconds"]),
             "online_only": res is not dry,
             "provider": provider,
@@ -204,15 +211,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 1e3,1e5,1e6; 1e3,1e5 for reciprocal/divide)")
     p.add_argument("--sort-sizes", default=None, help="comma list of list lengths for the sorts "
                    "(default 64,128,256,512,1024)")
-    p.add_argument("--provider", default="dealer", choices=["dealer", "tfp"],
-                   help="correlated randomness (default dealer; tfp is insecure, reference only)")
+    common_options.add_profile(p)
+    common_options.add_offline(p, several="dealer", tfp=True)
     p.add_argument("--no-prefill", action="store_true",
-                   help="one run per primitive; seconds then include fetching dealer material")
-    p.add_argument("--latency-ms", type=float, default=0.0, help="emulated one-way latency (default 0)")
-    p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="emulated bandwidth, 0 = unlimited")
+                   help="dealer: one run per primitive; seconds then include fetching dealer material")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per session (default 1800)")
-    p.add_argument("--out", default="out/primitives.json", help="JSON output path (default out/primitives.json)")
-    progress.add_quiet_argument(p)
+    common_options.add_seed(p, "the input values")
+    common_options.add_out(p, "out/primitives.json")
+    common_options.add_quiet(p)
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -221,7 +227,11 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
         add_arguments(parser)
         args = parser.parse_args(argv)
-    link = LinkProfile(args.latency_ms / 1000.0, args.bandwidth_mbps * 1e6)
+    try:
+        profile = common_options.profile_of(args)
+    except ValueError as exc:
+        return common_options.refuse("starfish bench primitives", str(exc))
+    link = profile.link()
     names = [s.strip() for s in args.primitives.split(",") if s.strip()]
     unknown = [s for s in names if s not in PRIMITIVES]
     if unknown:
@@ -229,23 +239,26 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
               file=sys.stderr)
         return 2
     rows, failures = [], []
-    with progress.progress(len(names), f"primitives ({args.provider})", quiet=args.quiet,
-                           unit="primitive") as bar:
-        for name in names:
-            default = PRIMITIVES[name][1]
-            override = _sizes(args.sort_sizes if default is SORT_SIZES else args.sizes)
-            sizes = override or list(default)
-            bar.set_postfix_str(f"{name} at sizes {sizes}")
-            try:
-                rows.extend(measure(name, sizes, args.provider, link, not args.no_prefill, args.timeout))
-            except Exception as exc:  # noqa: BLE001 - one primitive failing must not lose the others
-                progress.say(f"  {name} failed: {exc}")
-                failures.append({"primitive": name, "sizes": sizes, "error": str(exc)})
-            bar.update(1)
-    cols = ["primitive", "n", "rounds", "online_bytes", "offline_bytes", "seconds"]
+    with progress.progress(len(names) * len(args.offline), f"primitives ({','.join(args.offline)})",
+                           quiet=args.quiet, unit="primitive") as bar:
+        for provider in args.offline:
+            for name in names:
+                default = PRIMITIVES[name][1]
+                override = _sizes(args.sort_sizes if default is SORT_SIZES else args.sizes)
+                sizes = override or list(default)
+                bar.set_postfix_str(f"{name} with {provider} at sizes {sizes}")
+                try:
+                    rows.extend(measure(name, sizes, provider, link, not args.no_prefill, args.timeout,
+                                        args.seed))
+                except Exception as exc:  # noqa: BLE001 - one primitive failing must not lose the others
+                    progress.say(f"  {name} ({provider}) failed: {exc}")
+                    failures.append({"primitive": name, "provider": provider, "sizes": sizes, "error": str(exc)})
+                bar.update(1)
+    cols = ["primitive", "n", "provider", "rounds", "online_bytes", "offline_bytes", "seconds"]
     print(markdown_table(rows, cols))
     path = write_json(args.out, {
-        "machine": machine_info(), "link": dataclasses.asdict(link), "provider": args.provider,
+        "machine": machine_info(), "profile": profile.to_json(), "link": dataclasses.asdict(link),
+        "providers": args.offline,
         "descriptions": {k: v[0] for k, v in PRIMITIVES.items()},
         "rows": rows, "failures": failures,
     })

@@ -5,8 +5,8 @@ Profiles (the paper's Sec. VI-A settings; its latencies are SecureML's round-tri
 * ``lan``: 0.17 ms round trip, bandwidth written "1 GB/s" in the paper;
 * ``wan``: 72 ms round trip, bandwidth written "100 MB/s";
 * ``none``: loopback at full speed (no emulation; the "compute" baseline);
-* ``custom``: ``--latency-ms`` (one way, as in the other ``starfish bench`` commands) and
-  ``--bandwidth-mbps`` (megabits per second; 0 = unlimited).
+* ``custom``: ``--latency-ms`` (one way) and ``--bandwidth-mbps`` (megabits per second; 0 =
+  unlimited); the options themselves are ``bench/common_options.py``'s.
 
 The paper's "GB/s" and "MB/s" are ambiguous. ``--bandwidth-reading bits`` (default) takes them as
 the usual network rates 1 Gbit/s and 100 Mbit/s; ``bytes`` takes them literally (8 Gbit/s and
@@ -32,7 +32,6 @@ symmetric, so both directions are nearly equal and travel in parallel).
 
 from __future__ import annotations
 
-import argparse
 import os
 import secrets
 import shutil
@@ -253,29 +252,7 @@ def effective_link(profile: NetworkProfile, shaping: Shaping):
     return profile.link() if shaping.method == "link-emulation" else NO_LINK
 
 
-# ------------------------------------------------------------------------------ CLI glue
-def add_profile_arguments(p: argparse.ArgumentParser, default: str = "lan",
-                          choices: tuple[str, ...] = ("lan", "wan", "none", "custom")) -> None:
-    p.add_argument("--profile", default=default, choices=list(choices),
-                   help=f"network profile (default {default}): lan = 0.17 ms RTT, 1 Gbit/s; "
-                        "wan = 72 ms RTT, 100 Mbit/s; none = loopback; custom = --latency-ms/--bandwidth-mbps")
-    p.add_argument("--bandwidth-reading", default="bits", choices=list(READINGS),
-                   help="read the paper's '1 GB/s' and '100 MB/s' as bits (1 Gbit/s, 100 Mbit/s; default) "
-                        "or as bytes (8 Gbit/s, 800 Mbit/s)")
-    p.add_argument("--latency-ms", type=float, default=None, help="custom profile: one-way latency in ms")
-    p.add_argument("--bandwidth-mbps", type=float, default=None,
-                   help="custom profile: bandwidth in Mbit/s (0 = unlimited)")
-    p.add_argument("--shaping", default="auto", choices=list(SHAPING_MODES),
-                   help="auto (default): tc netem if the kernel has it, else the transport's link "
-                        "emulation; emulate: always the transport's emulation; netem: fail without netem")
-
-
-def profile_from_args(args: argparse.Namespace) -> NetworkProfile:
-    return resolve(args.profile, latency_ms=args.latency_ms, bandwidth_mbps=args.bandwidth_mbps,
-                   reading=args.bandwidth_reading)
-
-
 __all__ = ["NetworkProfile", "PAPER_PROFILES", "resolve", "analytic_seconds", "analytic_overlap_seconds",
            "relative_difference",
            "Shaping", "probe_netem", "choose_shaping", "netem_commands", "run_under_netem",
-           "forwarded_argv", "effective_link", "add_profile_arguments", "profile_from_args"]
+           "forwarded_argv", "effective_link"]

@@ -33,8 +33,7 @@ from typing import IO
 
 from tqdm import tqdm
 
-__all__ = ["shown", "progress", "callback", "within", "step_hook", "say", "PartyBar", "party_args",
-           "add_quiet_argument"]
+__all__ = ["shown", "progress", "callback", "within", "step_hook", "say", "PartyBar", "party_args"]
 
 
 class _Bar(tqdm):
@@ -47,13 +46,6 @@ class _Bar(tqdm):
 # lock is enough; tqdm's default adds a multiprocessing lock, which in a party process (started
 # by forkserver) is a named semaphore left behind at exit ("leaked semaphore objects").
 _Bar.set_lock(threading.RLock())
-
-
-def add_quiet_argument(parser) -> None:
-    """``--quiet`` of every long command, one help text for all."""
-    parser.add_argument("--quiet", action="store_true",
-                        help="no progress bars and no status lines on stderr (bars are drawn only when "
-                             "stderr is a terminal; tables, JSON and errors are unaffected)")
 
 
 def shown(quiet: bool = False, stream: IO[str] | None = None) -> bool:

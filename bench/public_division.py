@@ -1,25 +1,34 @@
 """Cost and error of dividing a sharing by a public integer (``mpc.public_division``).
 
-    python -m bench.public_division [--n 10000] [--offline dealer,two-party] [--seed 0]
+    python -m bench.public_division [--n 10000] [--offline dealer,two-party] [--profile none] [--seed 0]
 
-Per offline mode, on n fixed-point values spread log-uniformly over the whole ring range
-(|x| < 2**62): CrypTen's ``x.div(N)`` for divisors that are not powers of two, next to a power of
-two (one wrap-free truncation) and a product of two sharings as yardsticks. Prints online bytes
+Per mode of ``--offline`` (a list: this bench compares the modes, so both by default), on n
+fixed-point values spread log-uniformly over the whole ring range (|x| < 2**62): CrypTen's
+``x.div(N)`` for divisors that are not powers of two, next to a power of two (one wrap-free
+truncation) and a product of two sharings as yardsticks. Prints online bytes
 per element (party 0 sent + received), online rounds, seconds and the error against the exact
 quotient (``fractions.Fraction``), in units of the ring (2**-16 at CrypTen's precision). A
 warm-up truncation and product run first (the engine's one-time set-up is not counted); the
 engine's later OT extensions land on whichever operation needs them, so two-party figures vary
-from run to run.
+from run to run. The ``--profile`` link (default lan, as everywhere) is emulated by the transport
+on the server link and the dealer link; ``--profile none`` measures on loopback. Writes the rows
+as JSON to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from fractions import Fraction
 
 import numpy as np
 import torch
+
+from net.channel import NO_LINK
+
+from . import common_options, progress
+from .report import machine_info, markdown_table, write_json
 
 DIVISORS = (3, 9, 120, 65535, 8)
 
@@ -48,7 +57,7 @@ def _program(party, divisors, share):
     return out
 
 
-def measure(n: int, offline: str, seed: int) -> list[dict]:
+def measure(n: int, offline: str, seed: int, link=NO_LINK) -> list[dict]:
     from mpc import run_parties
 
     rng = np.random.default_rng(seed)
@@ -56,7 +65,8 @@ def measure(n: int, offline: str, seed: int) -> list[dict]:
     x = (rng.random(n) * 2.0**bits).astype(np.int64) * rng.choice([-1, 1], size=n)
     mask = rng.integers(-(2**63), 2**63 - 1, size=n, dtype=np.int64, endpoint=True)
     share0 = (x.view(np.uint64) - mask.view(np.uint64)).view(np.int64)
-    res = run_parties(_program, DIVISORS, party_args=((share0,), (mask,)), offline=offline, timeout=600)
+    res = run_parties(_program, DIVISORS, party_args=((share0,), (mask,)), offline=offline, timeout=600,
+                      link=link, dealer_link=link)
     steps = res.meters[0]["steps"]
     rows = []
     for d in (*DIVISORS, "mul"):
@@ -73,20 +83,41 @@ def measure(n: int, offline: str, seed: int) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=10_000)
-    ap.add_argument("--offline", default="dealer,two-party")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    cols = ["op", "offline", "online B/elt", "rounds", "seconds", "max err (units)", "mean err (units)"]
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for mode in args.offline.split(","):
-        for row in measure(args.n, mode, args.seed):
-            print("| " + " | ".join(f"{row[c]:.3g}" if isinstance(row.get(c), float) else str(row.get(c, ""))
-                                    for c in cols) + " |")
+COLUMNS = ["op", "offline", "online B/elt", "rounds", "seconds", "max err (units)", "mean err (units)"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--n", type=int, default=10_000, help="values divided (default 10,000)")
+    common_options.add_profile(p)
+    common_options.add_offline(p, several="dealer,two-party")
+    common_options.add_seed(p, "the values and their shares")
+    common_options.add_out(p, "out/public-division.json")
+    common_options.add_quiet(p)
+
+
+def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
+    if args is None:
+        parser = argparse.ArgumentParser(prog="python -m bench.public_division", description=__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_arguments(parser)
+        args = parser.parse_args(argv)
+    try:
+        profile = common_options.profile_of(args)
+    except ValueError as exc:
+        return common_options.refuse("python -m bench.public_division", str(exc))
+    rows = []
+    with progress.progress(len(args.offline), f"x.div(N), n = {args.n:,}", quiet=args.quiet, unit="mode") as bar:
+        for mode in args.offline:
+            bar.set_postfix_str(mode)
+            rows.extend(measure(args.n, mode, args.seed, profile.link()))
+            bar.update(1)
+    shown = [{c: f"{r[c]:.3g}" if isinstance(r.get(c), float) else r.get(c, "") for c in COLUMNS} for r in rows]
+    print(markdown_table(shown, COLUMNS))
+    path = write_json(args.out, {"machine": machine_info(), "benchmark": "public-division", "n": args.n,
+                                 "seed": args.seed, "profile": profile.to_json(), "rows": rows})
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

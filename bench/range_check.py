@@ -38,7 +38,7 @@ from mpc.crypten_compat import crypten
 from common.encoding import encode
 from protocols.upload_range import DEFAULT_BOUND_BITS, uploads_in_range
 
-from . import offline, profiles, progress
+from . import common_options, offline, profiles, progress
 from .report import machine_info, markdown_table, write_json
 from .synthetic import SyntheticConfig, config, tolerance_delta, update_values
 
@@ -139,13 +139,16 @@ def _table(rows: list[dict], subs: list[dict], linked: bool) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    profiles.add_profile_arguments(p, default="lan")
+    common_options.add_profile(p, netem=True)
+    common_options.add_offline(p)
     p.add_argument("--config", default="mnist", choices=["mnist", "small", "tiny"],
                    help="shapes (default mnist: the paper CNN's 582,026 parameters, 20 clients)")
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma list of {', '.join(STEPS)}")
     p.add_argument("--attacker", type=int, default=1, help="client uploading 2**62 (-1: none)")
     offline.add_cache_arguments(p)
-    p.add_argument("--out", default=None, help="JSON output (default out/range-check-<config>-<profile>.json)")
+    common_options.add_seed(p, "the synthetic uploads")
+    common_options.add_out(p, None, shown="out/range-check-<config>-<profile>.json", beside=".md beside it")
+    common_options.add_quiet(p)
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -155,16 +158,15 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         add_arguments(parser)
         args = parser.parse_args(argv)
     try:
-        profile = profiles.profile_from_args(args)
+        profile = common_options.profile_of(args)
         shaping = profiles.choose_shaping(profile, args.shaping)
     except (ValueError, RuntimeError) as exc:
-        print(f"starfish bench range-check: {exc}", file=sys.stderr)
-        return 2
+        return common_options.refuse("starfish bench range-check", str(exc))
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     if not steps or any(s not in STEPS for s in steps):
         print(f"unknown step(s) in {steps}; known: {', '.join(STEPS)}", file=sys.stderr)
         return 2
-    cfg = config(args.config)
+    cfg = config(args.config, seed=args.seed)
     attacker = None if args.attacker < 0 else args.attacker
     if attacker is not None and attacker >= cfg.clients:
         print(f"--attacker must be below {cfg.clients} (or -1)", file=sys.stderr)

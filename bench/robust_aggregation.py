@@ -38,7 +38,7 @@ from mpc.crypten_compat import crypten
 from protocols import backend as B
 from protocols.robust_aggregation import (brace_sign, check_thresholds, fedseca, quantile_thresholds)
 
-from . import offline, profiles, progress
+from . import common_options, offline, profiles
 from .report import human_bytes, machine_info, markdown_table, write_json
 
 AGGREGATORS = ("fedseca", "brace-sign")
@@ -133,21 +133,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lam", type=float, default=5.0, help="BRACE threshold lambda (default 5, its paper's)")
     p.add_argument("--check-thresholds", action="store_true",
                    help="FedSECA: also run the servers' check of the clients' lambda_k (step 'check')")
-    # the same default as every other benchmark (issue 27): lan
-    p.add_argument("--profile", default="lan", choices=["lan", "wan", "none"],
-                   help="lan = 0.17 ms RTT, 1 Gbit/s (default); wan = 72 ms RTT, 100 Mbit/s; none = loopback "
-                        "(emulated by the transport on the server and dealer links)")
-    p.add_argument("--offline", choices=("dealer", "two-party"), default="dealer",
-                   help="dealer (a third process makes the correlated randomness; default) or two-party "
-                        "(no dealer: the servers make it between themselves, mpc/spu_engine.py)")
+    common_options.add_profile(p)
+    common_options.add_offline(p)
     p.add_argument("--runs", choices=("one", "three"), default="one",
                    help="one: material fetched inside each step (default); three: record, compute, link runs "
                         "with per-step prefetch (bench.offline.run_three)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic updates (0)")
+    common_options.add_seed(p, "the synthetic updates")
     p.add_argument("--no-check", action="store_true", help="skip the comparison with the plaintext twin")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a party waits for its peer")
-    p.add_argument("--out", default=None, help="JSON output (default out/robust-aggregation-<agg>-<K>x<D>-<profile>.json)")
-    progress.add_quiet_argument(p)
+    common_options.add_out(p, None, shown="out/robust-aggregation-<aggregator>-<K>x<D>-<profile>.json")
+    common_options.add_quiet(p)
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -158,7 +153,10 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         args = parser.parse_args(argv)
     if args.clients < 1 or args.dim < 1:
         raise SystemExit("--clients and --dim must be at least 1")
-    profile = profiles.resolve(args.profile)
+    try:
+        profile = common_options.profile_of(args)
+    except ValueError as exc:
+        return common_options.refuse("starfish bench aggregation", str(exc))
     link = profile.link() if profile.emulated else None
     spec = {"clients": args.clients, "dim": args.dim, "aggregator": args.aggregator, "gamma": args.gamma,
             "lam": args.lam, "seed": args.seed,
@@ -207,7 +205,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     for key in ("twin_max_error", "twin_within_bound", "twin_equal", "thresholds_accepted"):
         if key in result:
             print(f"{key}: {result[key]}")
-    out = args.out or f"out/robust-aggregation-{args.aggregator}-{args.clients}x{args.dim}-{args.profile}.json"
+    out = args.out or f"out/robust-aggregation-{args.aggregator}-{args.clients}x{args.dim}-{profile.name}.json"
     path = write_json(out, result)
     print(f"wrote {path}", file=sys.stderr)
     ok = result.get("twin_within_bound", result.get("twin_equal", True))

@@ -10,8 +10,9 @@ trigger's base rate, i.e. that nothing was planted). No unlearning runs.
 
     python -m bench.robust_lab --attack sign-flip --out /tmp/robust   # digits, 20 clients, 40 rounds
 
-takes every ``starfish lab`` option (data, FL, attack and aggregator parameters) plus
-``--aggregators`` and ``--attacker-counts``; writes ``robust_lab.json`` and ``robust_lab.png``
+takes the ``starfish lab`` options (data, FL, attack and aggregator parameters) plus
+``--aggregators`` and ``--attacker-counts``, but not the lab's 2PC group (``--secure``,
+``--offline``, ``--profile``): every cell is a plaintext FL run; writes ``robust_lab.json`` and ``robust_lab.png``
 (two annotated grids, TER and BA-ASR, rows aggregators, columns attacker counts) to ``--out``.
 """
 
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``argv``, run the table, print it, write JSON + PNG to ``--out``; exit code."""
     parser = argparse.ArgumentParser(prog="python -m bench.robust_lab",
                                      description=__doc__.split("\n\n")[0])
-    add_lab_arguments(parser)
+    add_lab_arguments(parser, secure=False)
     t = parser.add_argument_group("table")
     t.add_argument("--aggregators", default=",".join(AGGREGATORS),
                    help="comma-separated rows (" + ",".join(AGGREGATORS) + ")")

@@ -14,6 +14,11 @@ predicted faster (None: Method 1 at every measured T); the formula and profiles 
 ``protocols/starfish/data/t_delta.json`` (package data), from which ``method="auto"`` takes its default
 T_delta (LAN profile).
 
+No ``--profile``: the methods are measured on loopback and each profile's time is predicted from
+that (a shaped link during the measurement would count its latency twice). ``--offline
+two-party`` measures both methods without a dealer (correlations made inside each step, so in
+its seconds); ``--write-default`` keeps to the dealer, whose table ``method="auto"`` reads.
+
     starfish bench rs-switch --T 8,16,32,64,128,256 --out out/rs_switch.json
 """
 
@@ -30,12 +35,12 @@ from protocols.starfish.round_selection import LINK_PROFILES as PROFILES
 from protocols.starfish.round_selection import T_DELTA_TABLE as DEFAULT_FILE
 from protocols.starfish.round_selection import predicted_seconds, t_delta_from
 
-from . import progress
+from . import common_options, progress
 from .report import machine_info, markdown_table, write_json
 
 
 def _program(party, T: int, seed: int) -> dict:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + T)   # seed 0: the inputs of earlier tables
     u = crypten.cryptensor(torch.randn(T, generator=gen, dtype=torch.float64), src=0)
     v = crypten.cryptensor(torch.rand(T, generator=gen, dtype=torch.float64) + 0.5, src=0)
     k = num_selected(T, 0.6)
@@ -51,13 +56,16 @@ def _program(party, T: int, seed: int) -> dict:
     return out
 
 
-def measure(Ts: list[int], quiet: bool = False) -> list[dict]:
+def measure(Ts: list[int], quiet: bool = False, offline: str = "dealer", seed: int = 0) -> list[dict]:
     rows = []
     with progress.progress(len(Ts), "round selection", quiet=quiet, unit="T") as bar:
         for T in Ts:
             bar.set_postfix_str(f"T = {T}")
-            first = run_parties(_program, T, T, timeout=1800)
-            res = run_parties(_program, T, T, plan=first.plans[1], timeout=1800)  # online phase only
+            if offline == "two-party":   # nothing to record or prefetch
+                res = run_parties(_program, T, seed, offline="two-party", timeout=1800)
+            else:
+                first = run_parties(_program, T, seed, timeout=1800)
+                res = run_parties(_program, T, seed, plan=first.plans[1], timeout=1800)  # online phase only
             if res.values[0]["ratio"] != res.values[0]["divide"]:
                 progress.say(f"  note: methods chose different rounds at T={T} (fixed-point ties)")
             for method in ("ratio", "divide"):
@@ -71,10 +79,12 @@ def measure(Ts: list[int], quiet: bool = False) -> list[dict]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--T", default="8,16,32,64,128,256", help="numbers of rounds to measure")
-    p.add_argument("--out", default="out/rs_switch.json", help="JSON output (default out/rs_switch.json)")
+    common_options.add_offline(p)
+    common_options.add_seed(p, "the keys sorted")
+    common_options.add_out(p, "out/rs_switch.json")
     p.add_argument("--write-default", action="store_true",
-                   help=f"also store the measurement as the package default ({DEFAULT_FILE.name})")
-    progress.add_quiet_argument(p)
+                   help=f"also store the measurement as the package default ({DEFAULT_FILE.name}); dealer only")
+    common_options.add_quiet(p)
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -83,8 +93,12 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
         add_arguments(parser)
         args = parser.parse_args(argv)
+    if args.write_default and args.offline != "dealer":
+        return common_options.refuse("starfish bench rs-switch", "--write-default replaces the table method='auto' "
+                                     "takes T_delta from, measured with the service's default dealer: drop "
+                                     "--offline two-party")
     Ts = [int(float(t)) for t in args.T.split(",")]
-    rows = measure(Ts, args.quiet)
+    rows = measure(Ts, args.quiet, args.offline, args.seed)
     for r in rows:
         for name, (lat, bw) in PROFILES.items():
             r[f"{name}_s"] = round(predicted_seconds(r, lat, bw), 4)
@@ -93,8 +107,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     for name, d in deltas.items():
         verdict = f"T_delta = {d}" if d is not None else "Method 1 at every measured T"
         print(f"{name}: {verdict}")
-    payload = {"machine": machine_info(), "profiles": {k: {"one_way_latency_s": v[0], "bandwidth_bps": v[1]}
-                                                        for k, v in PROFILES.items()},
+    payload = {"machine": machine_info(), "offline": args.offline,
+               "profiles": {k: {"one_way_latency_s": v[0], "bandwidth_bps": v[1]} for k, v in PROFILES.items()},
                "rows": rows, "t_delta": deltas}
     write_json(args.out, payload)
     if args.write_default:

@@ -4,15 +4,16 @@
 (``protocols.compare.ge``: the sign test of ``mpc.nonnegative``), which every protocol of
 this project uses.
 
-For the dealer provider each operation runs twice: once to record the (data-independent)
-request plan, then again with the plan's material fetched beforehand, so that the
-reported seconds are online time only, as in the paper's tables. TFP is shown for
-reference (it needs no dealer and is insecure: party 0 knows every triple). ``two-party``
-makes everything between the two servers (``mpc/spu_engine.py``): no plan, no prefill; the
-Beaver triples it makes inside the step are its offline bytes (one link: party 0's count,
-both directions), and its seconds include making them.
+``--offline`` is a list: each mode is measured in turn and reported side by side. With the
+dealer each operation runs twice: once to record the (data-independent) request plan, then
+again with the plan's material fetched beforehand, so that the reported seconds are online
+time only, as in the paper's tables. ``two-party`` makes everything between the two servers
+(``mpc/spu_engine.py``): no plan, no prefill; the Beaver triples it makes inside the step are
+its offline bytes (one link: party 0's count, both directions), and its seconds include making
+them. ``tfp`` is a reference only (no dealer, insecure: party 0 knows every triple). The
+``--profile`` link is emulated by the transport on the server link and the dealer link.
 
-    starfish bench runtime --n 1000000 --providers dealer,tfp,two-party --out out/runtime.json
+    starfish bench runtime --n 1e6 --offline dealer,two-party,tfp --profile none --out out/runtime.json
 """
 
 from __future__ import annotations
@@ -23,18 +24,19 @@ import sys
 
 import torch
 
-from mpc import LinkProfile, run_parties
+from mpc import run_parties
 from mpc.crypten_compat import crypten
+from net.channel import NO_LINK
 from protocols.compare import ge
 
-from . import progress
+from . import common_options, progress
 from .report import machine_info, markdown_table, write_json
 
 OPS = ("mul", "ge", "ge_planes")
 
 
-def _program(party, op: str, n: int):
-    gen = torch.Generator().manual_seed(0)
+def _program(party, op: str, n: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
     x = crypten.cryptensor(torch.randn(n, generator=gen), src=0)
     y = crypten.cryptensor(torch.randn(n, generator=gen), src=1)
     with party.meter(op):
@@ -42,14 +44,15 @@ def _program(party, op: str, n: int):
     return float(z.get_plain_text()[:1].item())
 
 
-def measure(op: str, n: int, provider: str, link) -> dict:
+def measure(op: str, n: int, provider: str, link=NO_LINK, seed: int = 0) -> dict:
     plan = None
+    links = {"link": link, "dealer_link": link}
     if provider == "dealer":
-        plan = run_parties(_program, op, n, link=link, timeout=600).plans[1]
+        plan = run_parties(_program, op, n, seed, timeout=600, **links).plans[1]
     if provider == "two-party":
-        res = run_parties(_program, op, n, offline="two-party", link=link, timeout=3600)
+        res = run_parties(_program, op, n, seed, offline="two-party", timeout=3600, **links)
     else:
-        res = run_parties(_program, op, n, insecure_tfp=provider == "tfp", link=link, plan=plan, timeout=600)
+        res = run_parties(_program, op, n, seed, insecure_tfp=provider == "tfp", plan=plan, timeout=600, **links)
     s0, s1 = (m["steps"][op] for m in res.meters)
     if provider == "two-party":   # made inside the step, over the one server link
         offline = s0["offline_bytes_sent"] + s0["offline_bytes_received"]
@@ -70,11 +73,11 @@ def measure(op: str, n: int, provider: str, link) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=float, default=1e6, help="elements per operation (default 1e6)")
-    p.add_argument("--providers", default="dealer,tfp", help="comma list of dealer,tfp,two-party (default dealer,tfp)")
-    p.add_argument("--latency-ms", type=float, default=0.0, help="emulated one-way latency (default 0)")
-    p.add_argument("--bandwidth-mbps", type=float, default=0.0, help="emulated bandwidth, 0 = unlimited")
-    p.add_argument("--out", default="out/runtime.json", help="JSON output path (default out/runtime.json)")
-    progress.add_quiet_argument(p)
+    common_options.add_profile(p)
+    common_options.add_offline(p, several="dealer", tfp=True)
+    common_options.add_seed(p, "the input values")
+    common_options.add_out(p, "out/runtime.json")
+    common_options.add_quiet(p)
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -83,19 +86,23 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
         add_arguments(parser)
         args = parser.parse_args(argv)
+    try:
+        profile = common_options.profile_of(args)
+    except ValueError as exc:
+        return common_options.refuse("starfish bench runtime", str(exc))
     n = int(args.n)
-    link = LinkProfile(args.latency_ms / 1000.0, args.bandwidth_mbps * 1e6)
+    link = profile.link()
     rows = []
-    providers = [p.strip() for p in args.providers.split(",") if p.strip()]
-    with progress.progress(len(providers) * len(OPS), f"runtime, n = {n:,}", quiet=args.quiet,
+    with progress.progress(len(args.offline) * len(OPS), f"runtime, n = {n:,}", quiet=args.quiet,
                            unit="measurement") as bar:
-        for provider in providers:
+        for provider in args.offline:
             for op in OPS:
                 bar.set_postfix_str(f"{op} with {provider}")
-                rows.append(measure(op, n, provider, link))
+                rows.append(measure(op, n, provider, link, args.seed))
                 bar.update(1)
     cols = ["op", "n", "provider", "rounds", "online_bytes", "offline_bytes", "online_seconds", "dealer_requests"]
     print(markdown_table(rows, cols))
-    path = write_json(args.out, {"machine": machine_info(), "link": dataclasses.asdict(link), "rows": rows})
+    path = write_json(args.out, {"machine": machine_info(), "profile": profile.to_json(),
+                                 "link": dataclasses.asdict(link), "rows": rows})
     print(f"wrote {path}", file=sys.stderr)
     return 0

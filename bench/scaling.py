@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import costs, offline, profiles, progress
+from . import common_options, costs, offline, profiles, progress
 from .report import machine_info, markdown_table, write_json
 from .steps import _program
 from .synthetic import SyntheticConfig, prepare
@@ -54,7 +54,16 @@ def _count(text: str) -> int:
     return int(value)
 
 
-def grid(clients: list[int], params: list[int], rounds: list[int], base: dict) -> list[tuple[str, SyntheticConfig]]:
+def _profile_names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in ("lan", "wan", "none")]
+    if bad:     # custom needs latency and bandwidth per profile: not offered on a grid
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from lan, wan, none (comma list)")
+    return names
+
+
+def grid(clients: list[int], params: list[int], rounds: list[int], base: dict,
+         seed: int = 0) -> list[tuple[str, SyntheticConfig]]:
     """(axis, config) points: each axis varies one variable around ``base``."""
     pts = []
     for n in clients:
@@ -66,7 +75,7 @@ def grid(clients: list[int], params: list[int], rounds: list[int], base: dict) -
     out = []
     for axis, d in pts:
         cfg = SyntheticConfig(f"scale-n{d['clients']}-m{d['num_params']}-T{d['rounds']}", d["num_params"],
-                              clients=d["clients"], rounds=d["rounds"])
+                              clients=d["clients"], rounds=d["rounds"], seed=seed)
         out.append((axis, cfg))
     return out
 
@@ -209,11 +218,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-rounds", type=_count, default=10, help="T of the clients and model axes (default 10)")
     p.add_argument("--small-clients", type=_count, default=5, help="clients of the model and T axes (default 5)")
     p.add_argument("--small-params", type=_count, default=10_000, help="model size of the T axis (default 1e4)")
-    p.add_argument("--profiles", "--profile", dest="profiles", default="lan,wan",
-                   help="link profiles measured at every point after the loopback run (default lan,wan; "
-                        "'none' = loopback only)")
+    # plural because every point is measured on each; --profile too, so the other benches' spelling works
+    p.add_argument("--profiles", "--profile", dest="profiles", type=_profile_names, default="lan,wan",
+                   help="comma list of link profiles measured at every point after the loopback run "
+                        "(default lan,wan; lan, wan as in --profile of the other benches; 'none' = "
+                        "loopback only)")
+    common_options.add_offline(p)
     offline.add_cache_arguments(p)
-    p.add_argument("--out", default="out/scaling.json", help="JSON output; the PNG and .md go beside it")
+    common_options.add_seed(p, "the synthetic histories")
+    common_options.add_out(p, "out/scaling.json", beside=".md and .png beside it")
+    common_options.add_quiet(p)
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -224,11 +238,11 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         args = parser.parse_args(argv)
     base = {"num_params": args.base_params, "rounds": args.base_rounds, "clients": 0,
             "small_clients": args.small_clients, "small_params": args.small_params}
-    points = grid(_ints(args.clients), _ints(args.params), _ints(args.rounds), base)
+    points = grid(_ints(args.clients), _ints(args.params), _ints(args.rounds), base, args.seed)
     rows: list[tuple[str, dict]] = []
     done: dict[str, dict] = {}
     t0 = time.perf_counter()
-    links = [profiles.resolve(n.strip()) for n in args.profiles.split(",") if n.strip() and n.strip() != "none"]
+    links = [profiles.resolve(n) for n in args.profiles if n != "none"]
     unique = len({cfg.name for _, cfg in points})
     with progress.progress(unique * (1 + len(links)), "scaling", quiet=args.quiet, unit="session") as bar:
         for axis, cfg in points:

@@ -116,7 +116,8 @@ def _server(party, lab_args: dict, targets: list[int], params: StarfishParams, s
 def run_secure_starfish(lab_args: argparse.Namespace, history: History, targets: list[int],
                         params: StarfishParams, link=None, timeout: float = 1800.0,
                         offline: str = "dealer", quiet: bool = True) -> dict:
-    """Stage II under 2PC on ``history``; returns both servers' outcomes. ``offline``: "dealer"
+    """Stage II under 2PC on ``history``; returns both servers' outcomes. ``link``: the emulated
+    link of the server link and the dealer link (the lab's ``--profile``); ``offline``: "dealer"
     or "two-party" (no dealer, ``mpc/spu_engine.py``); ``quiet=False``: server 0 shows the
     replayed rounds on stderr (when it is a terminal)."""
     shares0, shares1 = split_history(history)
@@ -126,7 +127,7 @@ def run_secure_starfish(lab_args: argparse.Namespace, history: History, targets:
         res = run_parties(
             _server, args, targets, params, tmp, new_seed(), history.model(0).double().numpy(),
             float(history.server_lr), party_args=((shares0, bar0), (shares1, bar1)), link=link or NO_LINK,
-            timeout=timeout, offline=offline,
+            dealer_link=link or NO_LINK, timeout=timeout, offline=offline,
         )
     return {"values": res.values, "seconds": res.seconds}
 

@@ -45,7 +45,7 @@ from protocols.starfish import (StarfishParams, check_thresholds, determine_thre
 from protocols.starfish.replay import Replay
 from protocols.threshold import any_exceeds
 
-from . import costs, offline, profiles, progress
+from . import common_options, costs, offline, profiles, progress
 from .report import machine_info, markdown_table, write_json
 from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, config, load_data, prepare
 
@@ -294,7 +294,8 @@ def _pct(x: float | None) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    profiles.add_profile_arguments(p, default="lan")
+    common_options.add_profile(p, netem=True)
+    common_options.add_offline(p)
     p.add_argument("--config", default="mnist", choices=["mnist", "small", "tiny"],
                    help="synthetic history shapes (default mnist: the paper's 582,026-parameter CNN, "
                         "20 clients, 40 rounds)")
@@ -302,7 +303,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--td1-samples", default=",".join(map(str, TD1_SAMPLES)),
                    help="coordinates per stored update in the TD1 samples (two sizes; default 4,16)")
     offline.add_cache_arguments(p)
-    p.add_argument("--out", default=None, help="JSON output (default out/steps-<config>-<profile>.json)")
+    common_options.add_seed(p, "the synthetic history")
+    common_options.add_out(p, None, shown="out/steps-<config>-<profile>.json", beside=".md and .png beside it")
+    common_options.add_quiet(p)
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -312,18 +315,17 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         add_arguments(parser)
         args = parser.parse_args(argv)
     try:
-        profile = profiles.profile_from_args(args)
+        profile = common_options.profile_of(args)
         shaping = profiles.choose_shaping(profile, args.shaping)
     except (ValueError, RuntimeError) as exc:
-        print(f"starfish bench steps: {exc}", file=sys.stderr)
-        return 2
+        return common_options.refuse("starfish bench steps", str(exc))
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     unknown = [s for s in steps if s not in STEPS]
     if unknown:
         print(f"unknown step(s) {unknown}; known: {', '.join(STEPS)}", file=sys.stderr)
         return 2
     samples = [int(x) for x in args.td1_samples.split(",") if x.strip()]
-    cfg = config(args.config)
+    cfg = config(args.config, seed=args.seed)
     data_path = synthetic_history(cfg, args.cache_dir, args.quiet)
     fn_args = (cfg.to_json(), str(data_path), steps, samples)
     label = f"steps/{cfg.name}"

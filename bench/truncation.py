@@ -10,6 +10,12 @@ largest |ring value| seen, and the expected number of wraps sum (|x| + 1) / 2**6
 the probability that the run returns a wrong coordinate (a wrap in a value that is opened or
 compared anyway is one too).
 
+In two-party mode (``--offline two-party``) the engine truncates the products of the default
+wrap-free truncation; with ``--truncation local`` the products are divided locally as with the
+dealer and counted the same way (comparisons are the engine's and truncate nothing locally).
+No ``--profile``: the counts do not depend on the link, and the audit's opened truncations make
+its seconds meaningless as a cost.
+
     starfish bench truncation --config mnist --truncation local   # CrypTen's local truncation
     starfish bench truncation --config mnist                      # the default: wrap-free
 """
@@ -30,7 +36,7 @@ from mpc import run_parties
 from mpc.crypten_compat import observe_truncations
 from protocols.starfish import StarfishParams, run_stage2
 
-from . import progress
+from . import common_options, progress
 from . import steps as steps_bench
 from .report import machine_info, markdown_table, write_json
 from .synthetic import config
@@ -81,10 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--truncation", default="wrapfree", choices=("wrapfree", "local"),
                    help="the parties' truncation: wrapfree (the default everywhere: none is local, so "
                         "nothing can wrap) or local (CrypTen's share division, to measure its risk)")
+    common_options.add_offline(p)
     p.add_argument("--cache-dir", default="out/bench-cache", help="where the synthetic history is kept")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a party waits for its peer")
-    p.add_argument("--out", default=None, help="JSON output (default out/truncation-<config>.json)")
-    progress.add_quiet_argument(p)
+    common_options.add_seed(p, "the synthetic history")
+    common_options.add_out(p, None, shown="out/truncation-<config>.json", beside=".md beside it")
+    common_options.add_quiet(p)
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -93,13 +101,14 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
         add_arguments(parser)
         args = parser.parse_args(argv)
-    cfg = config(args.config)
+    cfg = config(args.config, seed=args.seed)
     data_path = steps_bench.synthetic_history(cfg, args.cache_dir, args.quiet)
     progress.say(f"truncation audit: one Stage II on {cfg.name} ({cfg.note}), every truncation opened ...",
                  quiet=args.quiet)
     t0 = time.perf_counter()
     res = run_parties(_program, cfg.to_json(), str(data_path), args.rs_method, timeout=args.timeout,
-                      truncation=args.truncation, party_args=progress.party_args("truncation audit", args.quiet))
+                      truncation=args.truncation, offline=args.offline,
+                      party_args=progress.party_args("truncation audit", args.quiet))
     seconds = time.perf_counter() - t0
     rows = res.values[0]["rows"]
     table, total_el, total_wraps = [], 0, 0.0
@@ -114,7 +123,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     verdict = "above" if total_wraps > TARGET_PROBABILITY else "below"
     text = "\n".join([
         f"## starfish bench truncation: config {cfg.name}; local two-party truncations of one Stage II "
-        f"(--truncation {args.truncation})",
+        f"(--truncation {args.truncation}, --offline {args.offline})",
         "expected wraps = sum over truncated elements of (|x| + 1) / 2**64 (x: the ring integer), an upper "
         "bound on the probability that the run contains a wrapped value",
         "",
@@ -127,7 +136,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     print(text)
     out = args.out or f"out/truncation-{cfg.name}.json"
     path = write_json(out, {"machine": machine_info(), "benchmark": "truncation", "config": cfg.to_json(),
-                            "truncation": args.truncation, "rows": rows, "total_elements": total_el, "expected_wraps": total_wraps,
+                            "truncation": args.truncation, "offline": args.offline, "rows": rows,
+                            "total_elements": total_el, "expected_wraps": total_wraps,
                             "probability_bound": p_run, "seconds": seconds,
                             "selected_rounds": res.values[0]["selected_rounds"], "markdown": text})
     Path(path).with_suffix(".md").write_text(text + "\n")

@@ -46,7 +46,7 @@ from protocols.starfish import StarfishParams, run_stage2
 from protocols.starfish.robust_replay import RoundRule, RuleCombine
 from protocols.starfish.round_selection import choose_method, default_t_delta
 
-from . import offline, profiles, progress
+from . import common_options, offline, profiles, progress
 from . import steps as steps_bench
 from .report import machine_info, write_json
 from .unlearning_report import paper_row, render, target_rows
@@ -211,7 +211,8 @@ def estimate(from_json: str, profile: profiles.NetworkProfile,
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    profiles.add_profile_arguments(p, default="lan")
+    common_options.add_profile(p, netem=True)
+    common_options.add_offline(p)
     p.add_argument("--config", default="mnist", choices=["mnist", "small", "tiny"],
                    help="synthetic history shapes (default mnist: 582,026 parameters, 20 clients, 40 rounds)")
     p.add_argument("--clients", type=int, default=None,
@@ -229,7 +230,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cprofile", default=None, metavar="DIR",
                    help="write cProfile statistics of each server (party0/1.pstats) to DIR (slows the run)")
     offline.add_cache_arguments(p)
-    p.add_argument("--out", default=None, help="JSON output (default out/unlearning-<config>-<profile>.json)")
+    common_options.add_seed(p, "the synthetic history")
+    common_options.add_out(p, None, shown="out/unlearning-<config>-<profile>.json", beside=".md beside it")
+    common_options.add_quiet(p)
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -239,13 +242,12 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         add_arguments(parser)
         args = parser.parse_args(argv)
     try:
-        profile = profiles.profile_from_args(args)
+        profile = common_options.profile_of(args)
         shaping = (profiles.Shaping("analytic", f"estimated from {args.estimate_from}, not run")
                    if args.estimate_from else profiles.choose_shaping(profile, args.shaping))
     except (ValueError, RuntimeError) as exc:
-        print(f"starfish bench unlearning: {exc}", file=sys.stderr)
-        return 2
-    cfg = config(args.config)
+        return common_options.refuse("starfish bench unlearning", str(exc))
+    cfg = config(args.config, seed=args.seed)
     if args.clients is not None:
         cfg = cfg.with_(clients=args.clients, note=f"{cfg.note}; clients overridden to {args.clients}")
     suffix = f"-n{cfg.clients}" if args.clients is not None else ""

@@ -25,13 +25,14 @@ _TOP: dict[str, tuple[str, str, str]] = {
 _BENCH: dict[str, tuple[str, str, str]] = {
     "runtime": ("N multiplications and comparisons: rounds, bytes, seconds", "bench.runtime", "main"),
     "primitives": ("per primitive and size: rounds, online/offline bytes, seconds", "bench.primitives", "main"),
-    "rs-switch": ("measure round-selection Methods 1 and 2; derive T_delta", "bench.rs_switch", "main"),
+    "rs-switch": ("measure round-selection Methods 1 and 2 on loopback; derive T_delta (each link profile's time "
+                  "predicted, so no --profile)", "bench.rs_switch", "main"),
     "steps": ("per unlearning step on the paper's MNIST shapes (Table I): offline/online time and bytes, "
               "rounds; LAN/WAN profiles, analytic time", "bench.steps", "main"),
     "unlearning": ("one full Stage II on the paper's MNIST shapes (Table II): totals, per step, memory, "
                    "socket bytes, targets", "bench.unlearning", "main"),
     "truncation": ("audit of one Stage II: local truncations, their magnitudes and the expected number of "
-                   "wraps", "bench.truncation", "main"),
+                   "wraps (no --profile: the link changes no count)", "bench.truncation", "main"),
     "range-check": ("one round's 2PC range check of the uploads (one bit per client), MNIST shapes: "
                     "online/offline bytes, rounds, seconds", "bench.range_check", "main"),
     "scaling": ("cost of one unlearning round vs clients, model size and rounds; PNG plots",
@@ -39,7 +40,8 @@ _BENCH: dict[str, tuple[str, str, str]] = {
     "aggregation": ("one FL round's Byzantine-robust aggregation in 2PC (FedSECA or BRACE's sign vote), "
                     "MNIST shapes: bytes, rounds, seconds per step", "bench.robust_aggregation", "main"),
     "training": ("one FL round's local training, clients batched (vmap) vs one after another: seconds, "
-                 "speed-up, difference; Fashion-MNIST CNN by default", "bench.batched_training", "main"),
+                 "speed-up, difference; Fashion-MNIST CNN by default (plaintext: no --profile or --offline)",
+                 "bench.batched_training", "main"),
 }
 
 
@@ -52,7 +54,8 @@ def _entry(module: str, attr: str) -> Any:
 
 def _lazy(sub: Any, name: str, spec: tuple[str, str, str], populate: bool) -> None:
     help_text, module, attr = spec
-    p = sub.add_parser(name, help=help_text)
+    # the one-line summary heads the command's own --help too, where a user looks for a missing option
+    p = sub.add_parser(name, help=help_text, description=help_text)
     p.set_defaults(func=_entry(module, attr))
     if populate:
         importlib.import_module(module).add_arguments(p)

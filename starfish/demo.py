@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench import progress
+from bench import common_options, progress
 from clients.metrics import Evaluator
 from clients.service_client import ServiceClient
 from clients.share_seeds import disk_traces, find_traces, seeded_shares
@@ -132,7 +132,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "steps are slower: the servers make every correlation between themselves)")
     p.add_argument("--n", type=int, default=8, help="--runtime: vector length (8)")
     p.add_argument("--seed", type=int, default=4, help="--runtime: seed of the input values (4)")
-    progress.add_quiet_argument(p)
+    common_options.add_quiet(p)
 
 
 def _say(msg: str) -> None:

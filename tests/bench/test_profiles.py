@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from bench import costs, offline, profiles
+from bench import common_options, costs, offline, profiles
 from protocols.sort import network
 
 
@@ -45,11 +45,11 @@ def test_custom_and_none_profiles():
 
 def test_profile_arguments_parse():
     p = argparse.ArgumentParser()
-    profiles.add_profile_arguments(p)
+    common_options.add_profile(p)
     a = p.parse_args(["--profile", "wan", "--bandwidth-reading", "bytes"])
-    assert profiles.profile_from_args(a).bandwidth_bps == 800e6
+    assert common_options.profile_of(a).bandwidth_bps == 800e6
     a = p.parse_args(["--profile", "custom", "--latency-ms", "10", "--bandwidth-mbps", "20"])
-    prof = profiles.profile_from_args(a)
+    prof = common_options.profile_of(a)
     assert prof.one_way_latency_s == 0.01 and prof.bandwidth_bps == 20e6
 
 
