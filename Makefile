@@ -21,10 +21,10 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/starfish demo
 
-# two workers, one test file each at a time (module fixtures stay shared): much of a service
-# test is waiting on daemons, so two files overlap on these 2 cores
+# one process: with two xdist workers (893 s instead of about 1,300 s) the engine pool's
+# recovery test failed 2 of 8 runs under the other worker's load (issue 24's closing note)
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
+	$(PY) -m pytest -q --durations=25
 
 clean:
 	rm -rf $(VENV)
