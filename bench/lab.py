@@ -139,6 +139,10 @@ def add_arguments(parser: argparse.ArgumentParser, secure: bool = True) -> None:
                    help=f"interval rate, T_c=ceil(beta T) ({PAPER.beta})")
     u.add_argument("--buffer", type=int, default=PAPER.buffer,
                    help=f"L-BFGS buffer size B ({PAPER.buffer})")
+    u.add_argument("--guard", type=float, default=PAPER.guard,
+                   help=f"Starfish's divergence guard: an estimated replay round whose step is longer "
+                        f"than GUARD x the history's longest is redone exactly; 0 = off "
+                        f"({PAPER.guard:g}; docs/unlearning.md)")
     u.add_argument("--rs-method", choices=("auto", "ratio", "divide"), default="auto",
                    help="round-selection comparison: Method 1 (ratio) or 2 (divide)")
     u.add_argument("--fedrecover-alpha", type=float, default=0.001,
@@ -282,6 +286,8 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
                                    "l2_to_retrain": None}]
     models: dict[str, torch.Tensor] = {}
     costs: dict[str, CostRecord] = {}
+    scores: dict[str, dict[str, Any]] = {}
+    _save_partial(args, rows, scores, costs)
     for name in methods:
         method = _make_method(name, args)
         method.trainer = trainer
@@ -292,6 +298,8 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
             model, cost = method.unlearn(history, targets, participants, progress=progress.callback(bar))
         trainer.progress = None
         models[name], costs[name] = model, cost
+        scores[name] = evaluate(model)
+        _save_partial(args, rows, scores, costs)
     secure = None
     if secure_on:
         secure = _run_secure(args, history, targets, costs)
@@ -305,7 +313,7 @@ def run_lab(args: argparse.Namespace) -> dict[str, Any]:
         cost = costs[name]
         n = max(1, len(cost.client_computations))
         rows.append({
-            "method": name, **evaluate(models[name]),
+            "method": name, **(scores.get(name) or evaluate(models[name])),
             "arp": arp(cost), "wall_time_s": cost.wall_time_s, "rounds_used": cost.rounds_used,
             "client_computations_mean": cost.total_client_computations() / n,
             "l2_to_retrain": None if retrained is None else l2_distance(models[name], retrained),
@@ -406,6 +414,24 @@ def _run_secure(args: argparse.Namespace, history, targets: list[int], costs: di
         ("models", np.array_equal(v0["model"], v1["model"]))) if not same]
     return {"model": model, "cost": cost, "steps": steps, "seconds": out["seconds"],
             "servers_differ": differ, "offline": getattr(args, "offline", "dealer"), "profile": profile.to_json()}
+
+
+PARTIAL = "lab.partial.json"
+
+
+def _save_partial(args: argparse.Namespace, rows: list[dict[str, Any]], scores: dict[str, dict[str, Any]],
+                  costs: dict[str, CostRecord]) -> None:
+    """With ``--out``: the rows finished so far, rewritten after FL and after each method, so a
+    run stopped part-way (a long real-data lab) keeps what it measured."""
+    if not getattr(args, "out", None):
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    done = [{"method": name, **score, "wall_time_s": costs[name].wall_time_s,
+             "rounds_used": costs[name].rounds_used} for name, score in scores.items()]
+    tmp = out / (PARTIAL + ".tmp")
+    tmp.write_text(json.dumps({"results": rows + done}, indent=2, default=str))
+    tmp.replace(out / PARTIAL)
 
 
 def _fmt(v: Any, pct: bool = False, digits: int = 2) -> str:
@@ -522,6 +548,7 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "lab.json").write_text(json.dumps(result, indent=2, default=str))
         plot(result, out / "lab.png")
+        (out / PARTIAL).unlink(missing_ok=True)
         print(f"wrote {out / 'lab.json'} and {out / 'lab.png'}", file=sys.stderr)
     return rc
 

@@ -130,6 +130,7 @@ class UnlearningSection:
     buffer: int = PAPER.buffer       # L-BFGS buffer size B
     rs_method: str = PAPER.method    # round-selection comparison: auto | ratio | divide
     t_delta: int = 0                 # auto: Method 1 while T < t_delta; 0 = measured (protocols/starfish/data/t_delta.json, LAN)
+    guard: float = PAPER.guard       # divergence guard ratio (protocols/starfish/replay.py); 0 = off
     # seconds the servers wait for the clients of one correction task; a client missing then is
     # absent from that step and not waited for again in the run, so a silent participant holds a
     # job (and FL, paused during it) for at most this long (issue 25: was 300 s, and failed the job)
@@ -284,6 +285,7 @@ def _check(cfg: ServiceConfig) -> None:
     need(u.buffer >= 1, "[unlearning] buffer must be >= 1")
     need(u.rs_method in ("auto", "ratio", "divide"), "[unlearning] rs_method: auto, ratio or divide")
     need(u.t_delta >= 0, "[unlearning] t_delta must be >= 0 (0: from the measured costs)")
+    need(u.guard == 0 or u.guard >= 1, "[unlearning] guard must be 0 (off) or >= 1")
     for key in ("correction_timeout", "agree_timeout", "session_timeout"):
         need(getattr(u, key) > 0, f"[unlearning] {key} must be > 0")
     need(u.request_cooldown >= 0, "[unlearning] request_cooldown must be >= 0 seconds (0: none)")

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["StarfishParams", "PAPER", "Method", "ceil_rate"]
+__all__ = ["StarfishParams", "PAPER", "GUARD", "Method", "ceil_rate"]
 
 Method = Literal["ratio", "divide", "auto"]
 
@@ -31,6 +31,10 @@ Method = Literal["ratio", "divide", "auto"]
 def ceil_rate(rate: float, num_rounds: int) -> int:
     """ceil(rate * T), rounded to 9 decimals first so that 0.6 * 40 = 24.000000000000004 is 24."""
     return math.ceil(round(rate * num_rounds, 9))
+
+
+#: Default divergence guard ratio (docs/unlearning.md, "Divergence guard").
+GUARD = 3.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,10 @@ class StarfishParams:
     method: Method = "auto"
     t_delta: int | None = None
     server_lr: float | None = None
+    #: the replay's divergence guard (``protocols.starfish.replay``): an estimated round whose
+    #: opened step is longer than ``guard`` x the longest step of the history is redone with exact
+    #: updates; 0 turns it off (the paper's Alg. 4 as written)
+    guard: float = GUARD
 
     def __post_init__(self) -> None:
         if not 0.0 < self.sigma <= 1.0:
@@ -63,6 +71,8 @@ class StarfishParams:
             raise ValueError(f"unknown round-selection method {self.method!r}")
         if self.t_delta is not None and self.t_delta < 0:
             raise ValueError("t_delta must be >= 0")
+        if not (self.guard == 0.0 or self.guard >= 1.0):
+            raise ValueError(f"guard must be 0 (off) or >= 1, got {self.guard}")
 
     def num_selected(self, num_rounds: int) -> int:
         """T' = ceil(sigma T), at least 1 and at most T."""

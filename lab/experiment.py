@@ -224,4 +224,4 @@ def starfish_params(args: argparse.Namespace) -> StarfishParams:
     """The lab's Starfish parameters from its command line (one place for plaintext and 2PC)."""
     return StarfishParams(sigma=LabConfig(args).get("sigma"), alpha=args.alpha, beta=args.beta,
                           buffer=args.buffer,
-                          method=args.rs_method)
+                          method=args.rs_method, guard=getattr(args, "guard", PAPER.guard))

@@ -16,11 +16,27 @@ from typing import Any
 
 import torch
 
+from clients.training import resolve_device
 from protocols.starfish.ports import History, remaining_clients
 
 from lab.fl import Participant, ProgressFn, SequentialTrainer, Trainer
 
-__all__ = ["CostRecord", "ClientPool", "PoolClients", "RecoveryMethod", "remaining_clients", "Timer"]
+__all__ = ["CostRecord", "ClientPool", "PoolClients", "RecoveryMethod", "remaining_clients", "Timer",
+           "data_on_device"]
+
+
+def data_on_device(participant: Any) -> tuple[torch.Tensor, torch.Tensor, torch.device]:
+    """(x, y, device): a client's own data where its local SGD runs (``--device``).
+
+    The losses and predictions Crab's and FedADP's storage rules ask of every client for every
+    round's model are as much work as a training epoch; on the CPU they dominated a GPU run.
+    """
+    dev = resolve_device(getattr(participant, "device", None) or "cpu")
+    data_on = getattr(participant, "data_on", None)
+    if callable(data_on):
+        x, y = data_on(dev)
+        return x, y, dev
+    return participant.x.to(dev), participant.y.to(dev), dev
 
 
 @dataclass

@@ -64,7 +64,7 @@ from lab.crab_storage import (
     select_storage,
 )
 from lab.fl import Participant, ProgressFn
-from lab.recovery.base import ClientPool, CostRecord, RecoveryMethod, Timer, remaining_clients
+from lab.recovery.base import ClientPool, CostRecord, RecoveryMethod, Timer, data_on_device, remaining_clients
 
 __all__ = ["Crab", "CrabRollback", "crab_rollback", "client_reported_signals", "SignalSource"]
 
@@ -151,22 +151,28 @@ def client_reported_signals(history: History, participants: Sequence[Participant
         if p is None or not all(hasattr(p, a) for a in ("x", "y", "model_factory")):
             raise ValueError(f"Crab's storage rules need client {j}'s reported loss: give a client "
                              "object with x, y and model_factory, or pass signals= to Crab")
-        data.append(ScoredData(float(p.num_samples), _log_probs_on(p.model_factory, p.x), p.y))
+        data.append(ScoredData(float(p.num_samples), _log_probs_on(p.model_factory, *_x_and_device(p)),
+                               p.y))
     return measure_signals(history, data)
 
 
-def _log_probs_on(factory: Callable[[], torch.nn.Module], x: torch.Tensor,
+def _x_and_device(participant: Any) -> tuple[torch.Tensor, torch.device]:
+    x, _y, dev = data_on_device(participant)
+    return x, dev
+
+
+def _log_probs_on(factory: Callable[[], torch.nn.Module], x: torch.Tensor, dev: torch.device,
                   batch: int = 1024) -> Callable[[torch.Tensor], torch.Tensor]:
-    net = factory()
+    net = factory().to(dev)
     net.eval()
 
     def log_probs(vector: torch.Tensor) -> torch.Tensor:
         params = list(net.parameters())
         dtype = params[0].dtype
         with torch.no_grad():
-            torch.nn.utils.vector_to_parameters(vector.reshape(-1).to(dtype), params)
+            torch.nn.utils.vector_to_parameters(vector.reshape(-1).to(dev, dtype), params)
             return torch.cat([F.log_softmax(net(x[k:k + batch]), dim=-1)
-                              for k in range(0, len(x), batch)])
+                              for k in range(0, len(x), batch)]).cpu()
 
     return log_probs
 

@@ -71,7 +71,7 @@ from protocols.starfish.ports import History
 
 from lab import dp_accounting
 from lab.fl import Participant, ProgressFn
-from lab.recovery.base import ClientPool, CostRecord, RecoveryMethod, Timer, remaining_clients
+from lab.recovery.base import ClientPool, CostRecord, RecoveryMethod, Timer, data_on_device, remaining_clients
 
 __all__ = ["FedADP", "ADJACENCY", "budget_schedule", "classical_multiplier", "clip_update",
            "cosine", "noise", "project", "reported_loss", "select_rounds", "select_updates",
@@ -188,9 +188,10 @@ def reported_loss(participant: Any, model_vec: torch.Tensor) -> float:
     if x is None or y is None or factory is None:
         raise ValueError(f"client {getattr(participant, 'client_id', '?')} reports no training "
                          "loss (no training_loss(), no x/y/model_factory); give FedADP a loss_fn")
-    model = factory()
+    x, y, dev = data_on_device(participant)
+    model = factory().to(dev)
     params = list(model.parameters())
-    torch.nn.utils.vector_to_parameters(model_vec.detach().reshape(-1).to(params[0].dtype), params)
+    torch.nn.utils.vector_to_parameters(model_vec.detach().reshape(-1).to(dev, params[0].dtype), params)
     model.eval()
     with torch.no_grad():
         return float(torch.nn.functional.cross_entropy(model(x), y))

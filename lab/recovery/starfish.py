@@ -72,6 +72,7 @@ class Starfish(RecoveryMethod):
                            "candidate_rounds": list(res.candidate_rounds),
                            "flagged_corrections": sum(len(v) for v in res.flags.values()),
                            "flags": {int(step): list(ids) for step, ids in res.flags.items()},
+                           "guard_steps": list(res.guard_steps), "guard": self.params.guard,
                            "sigma": self.params.sigma, "beta": self.params.beta,
                            "buffer": self.params.buffer,
                            "replay_rule": getattr(self.aggregator, "name", "fedavg")})

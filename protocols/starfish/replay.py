@@ -22,6 +22,19 @@ took part in round t (public; all of them under full participation):
    another rule (the lab's robust aggregators) can be replayed with that rule instead:
    ``combine(rows, weights, present, t)`` returns the opened direction of round t.
 
+Divergence guard (``guard`` = R > 0; Starfish's default, ``StarfishParams.guard``): the compact
+L-BFGS estimate is a secant model, and on a deep non-convex model (the paper's CNN on
+Fashion-MNIST) pairs whose secants are not curvature (5 local epochs of SGD from a slightly
+different model) can give an H whose estimates grow about 20x per replayed round; the threshold
+check comes only every T_c rounds, so the model was destroyed (NaN) before the next check
+(measured: docs/unlearning.md, "Divergence guard"). So, in an estimated round, the opened step
+eta * G_hat is compared with the longest step of the history, max_t ||M_{t-1} - M_t|| (public:
+the global models are); longer than R times that, the round is redone as a correction step:
+every present client not already corrected sends its exact update (its pair is offered to its
+buffer) and the aggregate is opened again. Only public values decide; what it reveals beyond
+the paper is the discarded estimated aggregate, which the paper reveals for every replayed
+round anyway.
+
 Rounds without a present client (an unlearning round, a round of targets only) cannot be
 replayed (``replay_round`` refuses them); callers replay only candidate rounds
 (``ports.candidate_rounds``) and M_hat carries over the rounds they skip.
@@ -41,6 +54,7 @@ and shared values alike (docs/design.md 4.1).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, ContextManager, Protocol
 
@@ -54,7 +68,7 @@ from .pair_buffers import PairBuffers
 from .ports import CorrectionClients, History
 from .update_estimation import Inverse, estimate_updates
 
-__all__ = ["Schedule", "Replay", "Combine", "Meter", "ProgressFn", "no_meter"]
+__all__ = ["Schedule", "Replay", "Combine", "Meter", "ProgressFn", "no_meter", "longest_step"]
 
 Meter = Callable[[str], ContextManager[Any]]
 ProgressFn = Callable[[int, int, str], None]
@@ -90,7 +104,8 @@ class Replay:
 
     def __init__(self, history: History, rest: Sequence[int], clients: CorrectionClients, *,
                  buffer: int, server_lr: float, meter: Meter = no_meter,
-                 inverse: Inverse | None = None, combine: Combine | None = None) -> None:
+                 inverse: Inverse | None = None, combine: Combine | None = None,
+                 guard: float = 0.0) -> None:
         self.history = history
         self.rest = list(rest)
         self.clients = clients
@@ -111,6 +126,9 @@ class Replay:
         self.present: list[int] = list(self.rest)
         self.present_rows: list[int] = list(range(len(self.rest)))
         self.synced_round: int | None = 0
+        self.guard = float(guard)
+        self.guard_steps: list[int] = []        # replay steps the divergence guard redid exactly
+        self._longest_step: float | None = None
 
     def run(self, rounds: Sequence[int], schedule: Schedule,
             progress: ProgressFn | None = None) -> torch.Tensor:
@@ -182,12 +200,53 @@ class Replay:
                     self.synced_round = None
                     return exact_ids
         with self.meter("aggregate"):
-            if self.combine is None:
-                aggregate = reveal(weighted_sum(rows, weights)).to(torch.float64)
-            else:
-                aggregate = torch.as_tensor(self.combine(rows, weights, present, t)).to(torch.float64)
-            self.model = self.model - self.eta * aggregate
+            aggregate = self._open_aggregate(rows, weights, present, t)
+        if self.guard > 0 and len(exact_ids) < len(present) and self._diverging(aggregate):
+            self.guard_steps.append(self.step)
+            late = [j for j in present if j not in set(exact_ids)]
+            exact_ids = list(exact_ids) + late
+            self.exact_requests[self.step] = list(exact_ids)
+            with self.meter("correction"):
+                secants = apply_corrections(self.clients, t, self.model.to(self.out_dtype), late,
+                                            present, stored, rows)
+            absent = [j for j in late if j not in secants]
+            if absent:
+                self.absent_answers.setdefault(self.step, []).extend(absent)
+            with self.meter("pairs"):
+                if secants:
+                    self.buffers.push_many(list(secants), s, list(secants.values()))
+            with self.meter("aggregate"):
+                aggregate = self._open_aggregate(rows, weights, present, t)
+        self.model = self.model - self.eta * aggregate
         self.last_aggregate = aggregate
         everyone = len(present) == len(history.participants(t)) and abs(wsum - 1.0) <= 1e-9
         self.synced_round = t if in_step and everyone else None
         return exact_ids
+
+    def _open_aggregate(self, rows: list, weights: list, present: list, t: int) -> torch.Tensor:
+        """The round's opened direction: FedAvg of the rows, or the history's own rule."""
+        if self.combine is None:
+            return reveal(weighted_sum(rows, weights)).to(torch.float64)
+        return torch.as_tensor(self.combine(rows, weights, present, t)).to(torch.float64)
+
+    def _diverging(self, aggregate: torch.Tensor) -> bool:
+        """Whether eta * G_hat is longer than ``guard`` x the history's longest step (public) or
+        not finite (a plaintext estimate can overflow; 2PC's cannot, its aggregate then is huge)."""
+        if self._longest_step is None:
+            self._longest_step = longest_step(self.history)
+        step = float((self.eta * aggregate).norm())
+        return not math.isfinite(step) or step > self.guard * self._longest_step
+
+
+def longest_step(history: History) -> float:
+    """max_t ||M_{t-1} - M_t|| over the history's global models (public). A history that keeps
+    only some models (Crab's storage view) gives, between two kept models M_a and M_b, the mean
+    step ||M_a - M_b|| / (b - a), which is no longer than the longest (a stricter guard)."""
+    kept = []
+    for i in range(history.num_rounds + 1):
+        try:
+            kept.append((i, history.model(i).double()))
+        except LookupError:       # not stored by the view (Crab's NotStored)
+            continue
+    steps = [float((ma - mb).norm()) / (b - a) for (a, ma), (b, mb) in zip(kept, kept[1:])]
+    return max(steps, default=0.0)

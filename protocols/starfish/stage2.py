@@ -66,6 +66,7 @@ class Stage2Result:
     absent_answers: dict[int, list[int]] = field(default_factory=dict)  # step -> asked, left out
     warmup_steps: int = 0
     correction_steps: list[int] = field(default_factory=list)
+    guard_steps: list[int] = field(default_factory=list)   # steps the divergence guard redid exactly
     estimated_updates: int = 0
     largest_estimate: float | None = None   # max |g_hat| over every estimate (plaintext only)
     seconds: float = 0.0
@@ -79,6 +80,7 @@ class Stage2Result:
             "absent_answers": {str(k): v for k, v in self.absent_answers.items()},
             "warmup_steps": self.warmup_steps,
             "correction_steps": self.correction_steps,
+            "guard_steps": self.guard_steps,
             "estimated_updates": self.estimated_updates,
             "largest_estimate": self.largest_estimate,
             "seconds": self.seconds,
@@ -173,12 +175,13 @@ def run_stage2(
                           candidate_rounds=candidates)
 
     replay = Replay(history, rest, clients, buffer=params.buffer, server_lr=eta, meter=meter,
-                    inverse=inverse, combine=combine)
+                    inverse=inverse, combine=combine, guard=params.guard)
     schedule = _StarfishSchedule(params.correction_interval(T), thresholds, result)
     result.model = replay.run(selected, schedule, progress)
     result.estimated_updates = replay.estimated_updates
     result.largest_estimate = replay.largest_estimate
     result.exact_requests = replay.exact_requests
+    result.guard_steps = replay.guard_steps
     result.absent_answers = replay.absent_answers
     result.seconds = time.perf_counter() - t0
     if party is not None:

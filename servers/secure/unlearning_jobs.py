@@ -52,14 +52,14 @@ def starfish_params(cfg: ServiceConfig) -> StarfishParams:
     """The deployment's [unlearning] section as Stage II parameters (t_delta 0: measured default)."""
     u = cfg.unlearning
     return StarfishParams(sigma=u.sigma, alpha=u.alpha, beta=u.beta, buffer=u.buffer,
-                          method=u.rs_method, t_delta=u.t_delta or None, server_lr=None)
+                          method=u.rs_method, t_delta=u.t_delta or None, server_lr=None, guard=u.guard)
 
 
 def job_params(cfg: ServiceConfig) -> dict[str, Any]:
     """The public parameters recorded with a job (identical on both servers)."""
     u = cfg.unlearning
     return {"sigma": u.sigma, "beta": u.beta, "buffer": u.buffer, "rs_method": u.rs_method,
-            "t_delta": u.t_delta}
+            "t_delta": u.t_delta, "guard": u.guard}
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -240,3 +240,32 @@ def test_a_method_whose_model_blows_up_is_marked_diverged(monkeypatch, tmp_path,
     assert "starfish (diverged)" in capsys.readouterr().out
     rows = {r["method"]: r for r in json.loads((tmp_path / "lab.json").read_text())["results"]}
     assert rows["starfish"]["diverged"] is True and rows["retrain"]["diverged"] is False
+
+
+def test_a_lab_stopped_part_way_keeps_the_methods_it_finished(monkeypatch, tmp_path):
+    """``lab.partial.json`` holds FL's row and every method that ended before the crash, with the
+    scores the finished table would show; a finished lab removes it."""
+    import bench.lab as lab
+
+    class Crash:
+        def unlearn(self, history, targets, participants, progress=None):
+            raise KeyboardInterrupt("stopped by the operator")
+
+    real = lab._make_method
+    monkeypatch.setattr(lab, "_make_method",
+                        lambda name, args: Crash() if name == "random" else real(name, args))
+    argv = ["--clients", "4", "--rounds", "3", "--epochs", "1", "--train-limit", "200",
+            "--test-limit", "80", "--out", str(tmp_path), "--quiet"]
+    with pytest.raises(KeyboardInterrupt):
+        main(argv + ["--method", "retrain,starfish,random"])
+    partial = json.loads((tmp_path / "lab.partial.json").read_text())["results"]
+    assert [r["method"] for r in partial] == ["original (with target)", "retrain", "starfish"]
+    assert not (tmp_path / "lab.json").exists()
+
+    monkeypatch.setattr(lab, "_make_method", real)
+    assert main(argv + ["--method", "retrain,starfish"]) == 0
+    finished = {r["method"]: r for r in json.loads((tmp_path / "lab.json").read_text())["results"]}
+    for r in partial[1:]:
+        for key in ("ter", "ba_asr", "mia_asr", "rounds_used"):
+            assert finished[r["method"]][key] == r[key]
+    assert not (tmp_path / "lab.partial.json").exists()
