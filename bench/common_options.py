@@ -112,3 +112,15 @@ def refuse(prog: str, why: str) -> int:
     """A combination of options the bench cannot honour: one line on stderr, exit status 2."""
     print(f"{prog}: {why}", file=sys.stderr)
     return 2
+
+
+def parse(prog: str, doc: str | None, add_arguments, argv: list[str] | None,
+          args: argparse.Namespace | None = None) -> argparse.Namespace:
+    """``args`` as given (the ``starfish bench`` CLI parsed them already), else ``argv`` parsed
+    by the bench's own parser: the preamble every bench's ``main`` shares."""
+    if args is not None:
+        return args
+    parser = argparse.ArgumentParser(prog=prog, description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return parser.parse_args(argv)

@@ -309,11 +309,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
-    if args is None:
-        parser = argparse.ArgumentParser(prog="starfish bench steps", description=__doc__,
-                                         formatter_class=argparse.RawDescriptionHelpFormatter)
-        add_arguments(parser)
-        args = parser.parse_args(argv)
+    args = common_options.parse("starfish bench steps", __doc__, add_arguments, argv, args)
     try:
         profile = common_options.profile_of(args)
         shaping = profiles.choose_shaping(profile, args.shaping)
