@@ -29,9 +29,11 @@ def test_config_defaults_round_trip_and_validation(tmp_path):
     full.write_text(render_config(cfg))
     again = load_config(full)
     assert again.fl == cfg.fl and again.server1 == cfg.server1 and again.limits == cfg.limits
+    assert again.unlearning.guard == cfg.unlearning.guard == 3.0
     for text, needle in [("[fl]\nrounds = 0\n", "rounds"), ("[fl]\nbogus = 1\n", "unknown keys"),
                          ("[nope]\n", "unknown sections"), ("[fl]\nrounds = 'x'\n", "must be int"),
-                         ("[unlearning]\nrs_method = 'sort'\n", "rs_method"), ("x = [", "TOML")]:
+                         ("[unlearning]\nrs_method = 'sort'\n", "rs_method"),
+                         ("[unlearning]\nguard = 0.5\n", "guard must be 0"), ("x = [", "TOML")]:
         p.write_text(text)
         with pytest.raises(ConfigError, match=needle):
             load_config(p)
