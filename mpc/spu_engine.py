@@ -468,7 +468,9 @@ class SpuEngine:
             try:
                 with self._lock:
                     conn.send(("close", ()))
-                    if conn.poll(CLOSE_WAIT + CLOSE_GRACE + 10.0):
+                    # a close that hangs inside the library (its barrier message lost) is cut
+                    # short below: the session is over and nothing of ours is left in the engine
+                    if conn.poll(CLOSE_WAIT + CLOSE_GRACE + 1.0):
                         status, value, counts = conn.recv()
                         self._account(counts)
                         if status != "ok":
@@ -479,7 +481,7 @@ class SpuEngine:
             self._conn = None
             conn.close()
         if proc is not None:
-            proc.join(10.0)
+            proc.join(0.5 if graceful else 10.0)
             if proc.is_alive():
                 proc.kill()
                 proc.join(5.0)

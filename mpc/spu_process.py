@@ -32,7 +32,11 @@ __all__ = ["EngineError", "RINGS", "PRODUCTS", "engine_main", "prog_ge0", "prog_
 
 _CHUNK_BYTES = 1 << 26          # one SPU value chunk (64 MiB)
 _FRACTION_BITS = 16              # unused by our integer programs; SPU needs a value
-CLOSE_WAIT = 15.0                # seconds a closing party waits for the other at the link's barrier
+# seconds a closing party waits for the other at the link's barrier. Both parties close at the
+# same point of a session, so the barrier is met at once (0.00-0.01 s measured); when it is not,
+# the library can hold the process for about 10 s before it gives up (seen in 1 of 3-4 closes), so
+# the parent does not wait longer than this plus the grace (``SpuEngine.shutdown``)
+CLOSE_WAIT = 2.0
 CLOSE_GRACE = 1.0                # seconds the link stays up after the barrier (its last replies)
 
 #: per ring width: SPU field, storage name, SPU data type, numpy dtype of a share
