@@ -461,32 +461,36 @@ class SpuEngine:
         otherwise (a pooled engine dropped alone, or a daemon stopping) the process is ended at
         once, since no peer will meet it at the barrier. Whatever the library does while
         tearing down stays in that process."""
-        conn, proc = self._conn, self._proc
-        if proc is not None and (self._stuck or not graceful):
-            proc.kill()
-        if conn is not None and not self._stuck and graceful:
-            try:
-                with self._lock:
-                    conn.send(("close", ()))
-                    # a close that hangs inside the library (its barrier message lost) is cut
-                    # short below: the session is over and nothing of ours is left in the engine
-                    if conn.poll(CLOSE_WAIT + CLOSE_GRACE + 1.0):
-                        status, value, counts = conn.recv()
-                        self._account(counts)
-                        if status != "ok":
-                            log.warning("two-party engine: %s", value)
-            except (EOFError, OSError):
-                pass
-        if conn is not None:
-            self._conn = None
-            conn.close()
-        if proc is not None:
-            proc.join(0.5 if graceful else 10.0)
-            if proc.is_alive():
+        try:
+            conn, proc = self._conn, self._proc
+            if proc is not None and (self._stuck or not graceful):
                 proc.kill()
-                proc.join(5.0)
-            self._proc = None
-        shutil.rmtree(self._dir, ignore_errors=True)
+            if conn is not None and not self._stuck and graceful:
+                try:
+                    with self._lock:
+                        conn.send(("close", ()))
+                        # a close that hangs inside the library (its barrier message lost) is cut
+                        # short below: the session is over and nothing of ours is left in the engine
+                        if conn.poll(CLOSE_WAIT + CLOSE_GRACE + 1.0):
+                            status, value, counts = conn.recv()
+                            self._account(counts)
+                            if status != "ok":
+                                log.warning("two-party engine: %s", value)
+                except (EOFError, OSError):
+                    pass
+            if conn is not None:
+                self._conn = None
+                conn.close()
+            if proc is not None:
+                proc.join(0.5 if graceful else 10.0)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5.0)
+                self._proc = None
+        finally:
+            # also when the party is ended meanwhile (run_parties' SIGTERM raises SystemExit here):
+            # the directory holds the session's private key
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class EnginePool:

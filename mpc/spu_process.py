@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -337,17 +338,20 @@ def _function_key(fn: Callable) -> tuple:
     return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(fn)), repr(args))
 
 
-def _watch_parent() -> None:
+def _watch_parent(session_dir: str | None = None) -> None:
     """End this process once its parent is gone. Why: a pooled engine's link waits up to an hour
     inside a call (``link_timeout``); if the server daemon died meanwhile (killed, no atexit), the
     pipe's end-of-file is read only between calls, and the engine would hold its memory and its
-    link until the library gave up."""
+    link until the library gave up. ``session_dir`` (the parent's ``SpuEngine._dir``, which holds
+    the session's private key) is removed first: a parent killed outright cannot remove it."""
     parent = os.getppid()
 
     def watch() -> None:
         while True:
             time.sleep(1.0)
             if os.getppid() != parent:
+                if session_dir:
+                    shutil.rmtree(session_dir, ignore_errors=True)
                 os._exit(1)
     threading.Thread(target=watch, name="engine-parent-watch", daemon=True).start()
 
@@ -358,7 +362,7 @@ def engine_main(conn, params: dict, peer_gone=None) -> None:
     logging.basicConfig(level=params.get("log_level") or logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     child = None
-    _watch_parent()
+    _watch_parent(params.get("dir"))
     try:
         child = _Engine(params, peer_gone)
         conn.send(("ok", child.inbound[1], child.counts()))
@@ -398,5 +402,9 @@ def engine_main(conn, params: dict, peer_gone=None) -> None:
             pass
     finally:
         conn.close()
+        # the session's private key: a parent killed outright (the pipe's end-of-file above) can
+        # no longer remove it; after a close, the parent's own removal finds it gone
+        if params.get("dir"):
+            shutil.rmtree(params["dir"], ignore_errors=True)
     # the library may still be tearing down threads; nothing of ours is left to do
     os._exit(0)

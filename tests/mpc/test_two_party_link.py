@@ -141,3 +141,29 @@ def test_a_finished_session_leaves_no_key_behind():
     dirs = list(res.values)
     assert all(isinstance(d, str) and "starfish-spu-" in d for d in dirs) and dirs[0] != dirs[1]
     assert not any(os.path.exists(d) for d in dirs), dirs
+
+
+def engine_directory_then_die(party, notes: str):
+    """Each party writes down its engine's private directory; party 1 is then killed outright (no
+    close, no atexit), as a server daemon can be, and party 0 returns into a session whose peer is
+    gone (run_parties then ends it)."""
+    with open(f"{notes}{party.rank}", "w") as f:
+        f.write(party.engine._dir)
+    if party.rank == 1:
+        os.kill(os.getpid(), 9)
+    return party.engine._dir
+
+
+def test_a_killed_partys_engine_removes_its_key(tmp_path):
+    """No session key stays on disk when a party dies: the dead party's engine process, which
+    watches its parent, removes its directory before it ends, and the survivor removes its own
+    even while it is being ended."""
+    notes = str(tmp_path / "dir")
+    with pytest.raises(PartyError):
+        run_parties(engine_directory_then_die, notes, offline="two-party", timeout=30)
+    dirs = [open(f"{notes}{r}").read() for r in (0, 1)]
+    assert all("starfish-spu-" in d for d in dirs) and dirs[0] != dirs[1]
+    deadline = time.monotonic() + 10.0
+    while any(os.path.exists(d) for d in dirs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [d for d in dirs if os.path.exists(d)], "a session key outlived its party"
