@@ -178,15 +178,7 @@ class Replay:
             exact_ids = schedule.rejected(self.step, t, est, self)
         if exact_ids:
             self.exact_requests[self.step] = list(exact_ids)
-            with self.meter("correction"):
-                secants = apply_corrections(self.clients, t, self.model.to(self.out_dtype), exact_ids,
-                                            present, stored, rows)
-            absent = [j for j in exact_ids if j not in secants]
-            if absent:
-                self.absent_answers[self.step] = absent
-            with self.meter("pairs"):
-                if secants:
-                    self.buffers.push_many(list(secants), s, list(secants.values()))
+            self._correct(t, exact_ids, present, stored, rows, s)
             if any(row is None for row in rows):
                 # a warm-up step whose client gave no (accepted) answer: no estimate exists, so the
                 # client is absent from this round as under partial participation (weights
@@ -206,15 +198,7 @@ class Replay:
             late = [j for j in present if j not in set(exact_ids)]
             exact_ids = list(exact_ids) + late
             self.exact_requests[self.step] = list(exact_ids)
-            with self.meter("correction"):
-                secants = apply_corrections(self.clients, t, self.model.to(self.out_dtype), late,
-                                            present, stored, rows)
-            absent = [j for j in late if j not in secants]
-            if absent:
-                self.absent_answers.setdefault(self.step, []).extend(absent)
-            with self.meter("pairs"):
-                if secants:
-                    self.buffers.push_many(list(secants), s, list(secants.values()))
+            self._correct(t, late, present, stored, rows, s)
             with self.meter("aggregate"):
                 aggregate = self._open_aggregate(rows, weights, present, t)
         self.model = self.model - self.eta * aggregate
@@ -222,6 +206,19 @@ class Replay:
         everyone = len(present) == len(history.participants(t)) and abs(wsum - 1.0) <= 1e-9
         self.synced_round = t if in_step and everyone else None
         return exact_ids
+
+    def _correct(self, t: int, ids: list, present: list, stored: list, rows: list, s: torch.Tensor) -> None:
+        """Ask ``ids`` for their exact updates on M_hat: each answer replaces its row in ``rows``
+        and offers its secant to the client's buffer; who gave none is recorded as absent."""
+        with self.meter("correction"):
+            secants = apply_corrections(self.clients, t, self.model.to(self.out_dtype), ids,
+                                        present, stored, rows)
+        absent = [j for j in ids if j not in secants]
+        if absent:
+            self.absent_answers.setdefault(self.step, []).extend(absent)
+        with self.meter("pairs"):
+            if secants:
+                self.buffers.push_many(list(secants), s, list(secants.values()))
 
     def _open_aggregate(self, rows: list, weights: list, present: list, t: int) -> torch.Tensor:
         """The round's opened direction: FedAvg of the rows, or the history's own rule."""
