@@ -159,7 +159,15 @@ def test_a_thousand_strangers_do_not_lock_clients_out_of_a_real_server(tmp_path)
         pid = dep.procs.procs["server0"].pid
         threads_before = _threads_of(pid)
         strangers = _strangers(dep.cfg.server(0).api().address, STRANGERS)
+        # A handshake pushed out of the full pool is shut down, and its thread needs a moment
+        # to see that and end: right after the flood, a few such threads may still be
+        # finishing. What must hold is that they do end, leaving at most the pool's worth.
+        bound = dep.cfg.limits.max_handshakes + 10
+        deadline = time.monotonic() + 5.0
         threads_flooded = _threads_of(pid)
+        while threads_flooded - threads_before > bound and time.monotonic() < deadline:
+            time.sleep(0.1)
+            threads_flooded = _threads_of(pid)
         t0 = time.monotonic()
         with dep.client("client-0", 0, connect_timeout=10) as c:
             assert c.call("state")["party"] == 0
@@ -170,7 +178,7 @@ def test_a_thousand_strangers_do_not_lock_clients_out_of_a_real_server(tmp_path)
               f"threads {threads_before} -> {threads_flooded}")
         assert len(strangers) >= 900
         assert waited < 3.0, dep.log("server0")
-        assert threads_flooded - threads_before <= dep.cfg.limits.max_handshakes + 10
+        assert threads_flooded - threads_before <= bound
     finally:
         _close_all(strangers)
         dep.close()
