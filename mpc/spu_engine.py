@@ -190,6 +190,8 @@ class SpuEngine:
                 if now - gone_since >= _PEER_GRACE:
                     self._stuck = self.broken = True
                     raise EngineError("the peer's two-party engine is gone (its link or the session closed)")
+            else:
+                gone_since = None   # the peer re-dialled within the grace: it was a lost connection
             if now >= deadline:
                 self._stuck = True   # close() ends it at once: it would not hear a close request
                 raise EngineError(f"the two-party engine did not answer within {timeout:.0f}s")

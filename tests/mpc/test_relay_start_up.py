@@ -64,3 +64,29 @@ def test_a_target_that_never_listens_is_given_up_after_the_patience(monkeypatch)
             assert time.monotonic() - t0 < 5.0
     finally:
         relays.close()
+
+
+def test_the_peer_is_gone_when_it_closed_every_connection_and_back_when_it_redials():
+    """What the engine's parent waits on: the peer closing its last connection reports "gone";
+    the peer dialling again within the grace reports "back" (a re-dial under load is no death)."""
+    from mpc.metered_relay import _PeerWatch
+
+    gone, back = threading.Event(), threading.Event()
+    watch = _PeerWatch(gone.set, back.set)
+    watch.opened()
+    watch.closed(by_peer=True)
+    assert not gone.is_set(), "not armed: a start-up connection closed is no loss"
+    watch.arm()
+    watch.opened()
+    watch.opened()
+    back.clear()
+    watch.closed(by_peer=True)
+    assert not gone.is_set(), "one of two connections is still open"
+    watch.closed(by_peer=False)
+    assert not gone.is_set(), "we closed the last one, not the peer"
+    watch.opened()
+    back.clear()
+    watch.closed(by_peer=True)
+    assert gone.is_set() and not back.is_set()
+    watch.opened()
+    assert back.is_set()
