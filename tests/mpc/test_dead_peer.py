@@ -52,13 +52,18 @@ def watch_dealer(party, out):
         # kill (a loaded CI machine killed the dealer while party 0 was still being set up)
         party.channel.send_frame(KIND_OBJECT, b"set up")
         party.channel.recv_frame(KIND_OBJECT)
-        return party.peer_alive()  # the dealer is not party 0's concern after setup
+        alive = party.peer_alive()  # the dealer is not party 0's concern after setup
+        # party 1 waits for this before it returns (and its process closes the channel): a
+        # loaded machine once ran party 1's exit before party 0's check
+        party.channel.send_frame(KIND_OBJECT, b"checked")
+        return alive
     party.channel.recv_frame(KIND_OBJECT)
     before = party.peer_alive()
     out.put(("ready", before))
     waited = _wait_dead(party)
     out.put(("dead", waited))
     party.channel.send_frame(KIND_OBJECT, b"done")
+    party.channel.recv_frame(KIND_OBJECT)
     return waited
 
 
