@@ -22,7 +22,8 @@ demo: setup
 	$(VENV)/bin/starfish demo
 
 # two workers, each taking whole modules (a module's shared session stays in one worker):
-# 746 s instead of 1,062 s on 2 cores; three workers were slower (772 s)
+# 746 s instead of 1,062 s on 2 cores; three workers were slower (772 s), and collecting the
+# longest modules first was too (857 s)
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 

@@ -25,30 +25,3 @@ def pair():
     with PartyPair(timeout=120.0) as p:
         yield p
 
-
-# The modules that take longest (seconds on 2 cores, `--durations`, 2026-11-27), collected
-# first: `make test` runs two xdist workers that take whole modules (`--dist loadfile`) in
-# collection order, and a long module taken last leaves one worker idle while it runs.
-LONGEST_FIRST = (
-    "tests/protocols/starfish/test_stage2_properties.py",     # 83
-    "tests/servers/test_job_crashes.py",                      # 68
-    "tests/mpc/test_two_party_mode.py",                       # 59
-    "tests/servers/test_robust_unlearning.py",                # 50
-    "tests/protocols/test_robust_aggregation.py",             # 48
-    "tests/protocols/starfish/test_stage2_2pc.py",            # 46
-    "tests/protocols/test_compare_properties.py",             # 45
-    "tests/bench/test_unlearning_bench.py",                   # 39
-    "tests/protocols/test_inverse_division_properties.py",    # 34
-    "tests/protocols/test_primitives_2pc.py",                 # 33
-    "tests/cli/test_cli.py",                                  # 31
-    "tests/servers/test_robust_service.py",                   # 28
-    "tests/cli/test_failure_messages.py",                     # 28
-    "tests/mpc/test_engine_pool.py",                          # 27
-    "tests/mpc/test_two_party_link.py",                       # 25
-)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    # stable: a module's tests stay together and in their own order
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))

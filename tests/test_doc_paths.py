@@ -65,11 +65,3 @@ def test_every_named_path_exists():
                 missing.append(f"{doc.relative_to(ROOT)}:{no}: {word}")
     assert not missing, "paths named in the docs that do not exist:\n" + "\n".join(missing)
 
-
-def test_the_longest_modules_named_in_conftest_exist():
-    """conftest's LONGEST_FIRST orders collection by name: a renamed module would silently
-    lose its place (and the order its purpose)."""
-    from tests.conftest import LONGEST_FIRST
-
-    missing = [p for p in LONGEST_FIRST if not (ROOT / p).is_file()]
-    assert not missing, missing
