@@ -379,7 +379,21 @@ def test_fedseca_2pc_matches_twin(pair):
     cases.append({"g": np.zeros((4, 3)), "gamma": 0.9, "lam": np.zeros(4), "brace_lam": 0.0})
     cases.append({"g": np.array([[0.0, 0.0], [0.0, 0.0], [3.0, -2.0]]), "gamma": 0.0,
                   "lam": np.zeros(3), "brace_lam": 0.0})   # tau = 0: all clipped to 0
-    out0, out1 = pair.call(rap.fedseca_cases, cases)
+    _assert_fedseca_matches_twin(cases, *pair.call(rap.fedseca_cases, cases))
+
+
+def test_fedseca_2pc_matches_twin_in_two_party_mode():
+    """The same program without a dealer (the engine's sign tests and products), on a few of the
+    same kinds of cases (wide magnitudes, ties and zeros, a scaled client, one-unit values)."""
+    from mpc.party_pair import PartyPair
+
+    cases = _random_cases(11, 4, max_k=5, max_d=6, max_enc=1 << 30)
+    with PartyPair(offline="two-party", timeout=300.0) as tp:
+        _assert_fedseca_matches_twin(cases, *tp.call(rap.fedseca_cases, cases))
+
+
+def _assert_fedseca_matches_twin(cases: list, out0: list, out1: list) -> None:
+    assert len(out0) == len(out1) == len(cases)
     for case, got, got1 in zip(cases, out0, out1):
         for name in got:
             np.testing.assert_array_equal(got[name], got1[name])   # both parties open the same
