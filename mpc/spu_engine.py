@@ -189,7 +189,10 @@ class SpuEngine:
                 gone_since = now if gone_since is None else gone_since
                 if now - gone_since >= _PEER_GRACE:
                     self._stuck = self.broken = True
-                    raise EngineError("the peer's two-party engine is gone (its link or the session closed)")
+                    # which signal it was: the link's relays, or the session's channel
+                    how = ("the session's channel closed" if self._channel is not None and self._channel.peer_closed
+                           else "it closed every connection of the link")
+                    raise EngineError(f"the peer's two-party engine is gone ({how})")
             else:
                 gone_since = None   # the peer re-dialled within the grace: it was a lost connection
             if now >= deadline:
