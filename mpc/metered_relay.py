@@ -80,14 +80,10 @@ class _PeerWatch:
     """Shared by a party's relays: the peer-facing connections that are open, and who is told
     when the peer has closed the last of them (its engine is gone: a dead process's kernel closes
     all its sockets). Armed only once the link is up: while the library is still connecting,
-    its attempts may be closed by the peer's relay for want of a listener, which is no loss.
-    A connection the peer opens again after that (the library re-dials a link it lost, e.g. on a
-    loaded machine) tells ``on_peer_back``: a peer that reconnects is not gone."""
+    its attempts may be closed by the peer's relay for want of a listener, which is no loss."""
 
-    def __init__(self, on_peer_closed: Callable[[], None] | None,
-                 on_peer_back: Callable[[], None] | None = None):
+    def __init__(self, on_peer_closed: Callable[[], None] | None):
         self._on_peer_closed = on_peer_closed
-        self._on_peer_back = on_peer_back
         self._lock = threading.Lock()
         self._open = 0
         self._armed = False
@@ -99,9 +95,6 @@ class _PeerWatch:
     def opened(self) -> None:
         with self._lock:
             self._open += 1
-            back = self._armed and self._open == 1 and self._on_peer_back is not None
-        if back:
-            self._on_peer_back()
 
     def closed(self, by_peer: bool) -> None:
         with self._lock:
@@ -314,13 +307,12 @@ class RelayPair:
 
     def __init__(self, meter: Meter, kind: Callable[[], str], link: LinkProfile = NO_LINK,
                  listen_host: str = "127.0.0.1", on_peer_closed: Callable[[], None] | None = None,
-                 peer_host: str | None = None, on_peer_back: Callable[[], None] | None = None):
+                 peer_host: str | None = None):
         """``on_peer_closed``: called when the peer has closed every peer-facing connection of
         both relays, once ``arm()`` has been called (the link is up). ``peer_host``: the only
-        address the inbound relay forwards (``None``: any; tests of the relay alone).
-        ``on_peer_back``: called when a peer-facing connection opens again after that."""
+        address the inbound relay forwards (``None``: any; tests of the relay alone)."""
         self.state = _RoundState(meter, kind)
-        self.watch = _PeerWatch(on_peer_closed, on_peer_back)
+        self.watch = _PeerWatch(on_peer_closed)
         self._link = link
         self._listen_host = listen_host
         self._peer_host = peer_host

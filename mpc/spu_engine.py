@@ -193,8 +193,6 @@ class SpuEngine:
                     how = ("the session's channel closed" if self._channel is not None and self._channel.peer_closed
                            else "it closed every connection of the link")
                     raise EngineError(f"the peer's two-party engine is gone ({how})")
-            else:
-                gone_since = None   # the peer re-dialled within the grace: it was a lost connection
             if now >= deadline:
                 self._stuck = True   # close() ends it at once: it would not hear a close request
                 raise EngineError(f"the two-party engine did not answer within {timeout:.0f}s")

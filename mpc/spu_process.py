@@ -127,7 +127,6 @@ class _Engine:
         # from), a few connections at once: anyone can reach it (mpc.relay_gate)
         self.relays = RelayPair(self.meter, lambda: self.kind, params["link"], listen_host=params["listen_host"],
                                 on_peer_closed=peer_gone.set if peer_gone is not None else None,
-                                on_peer_back=peer_gone.clear if peer_gone is not None else None,
                                 peer_host=params.get("peer_host"))
         self.inbound = self.relays.open_inbound()
         self.link = None

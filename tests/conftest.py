@@ -24,4 +24,3 @@ def pair():
     """Two parties and a dealer, alive for the whole test module (``pair.call(fn, *args)``)."""
     with PartyPair(timeout=120.0) as p:
         yield p
-

@@ -12,6 +12,9 @@ import socket
 import threading
 import time
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from mpc.metered_relay import CONNECT_PATIENCE, RelayPair
 from net.metering import Meter
 
@@ -66,27 +69,26 @@ def test_a_target_that_never_listens_is_given_up_after_the_patience(monkeypatch)
         relays.close()
 
 
-def test_the_peer_is_gone_when_it_closed_every_connection_and_back_when_it_redials():
-    """What the engine's parent waits on: the peer closing its last connection reports "gone";
-    the peer dialling again within the grace reports "back" (a re-dial under load is no death)."""
+
+@given(st.lists(st.sampled_from(["arm", "open", "peer_closes", "we_close"]), max_size=40))
+def test_the_peer_is_gone_once_it_closed_the_last_connection_after_arming(ops):
+    """What the engine's parent waits on (``_PeerWatch``), against a model of its rule: "gone"
+    is told when the peer closes the last open peer-facing connection while armed, never for a
+    connection we closed or one closed before the link was up."""
     from mpc.metered_relay import _PeerWatch
 
-    gone, back = threading.Event(), threading.Event()
-    watch = _PeerWatch(gone.set, back.set)
-    watch.opened()
-    watch.closed(by_peer=True)
-    assert not gone.is_set(), "not armed: a start-up connection closed is no loss"
-    watch.arm()
-    watch.opened()
-    watch.opened()
-    back.clear()
-    watch.closed(by_peer=True)
-    assert not gone.is_set(), "one of two connections is still open"
-    watch.closed(by_peer=False)
-    assert not gone.is_set(), "we closed the last one, not the peer"
-    watch.opened()
-    back.clear()
-    watch.closed(by_peer=True)
-    assert gone.is_set() and not back.is_set()
-    watch.opened()
-    assert back.is_set()
+    told: list[int] = []
+    watch = _PeerWatch(lambda: told.append(1))
+    armed, open_, expected = False, 0, 0
+    for op in ops:
+        if op == "arm":
+            watch.arm()
+            armed = True
+        elif op == "open":
+            watch.opened()
+            open_ += 1
+        elif open_:     # a close needs an open connection
+            watch.closed(by_peer=op == "peer_closes")
+            open_ -= 1
+            expected += op == "peer_closes" and open_ == 0 and armed
+    assert len(told) == expected
