@@ -23,14 +23,9 @@ demo: setup
 
 # two workers, each taking whole modules (a module's shared session stays in one worker):
 # 746 s instead of 1,062 s on 2 cores; three workers were slower (772 s), and collecting the
-# longest modules first was too (857 s). The engine pool's kill-and-restart test runs alone
-# afterwards: with the other worker loading both cores, party 1's first call on the fresh
-# engines after the kill reported its peer gone in 1 of 4 full runs (cause open, issue 24's
-# closing note); alone it has not failed.
-SOLO := tests/mpc/test_engine_pool.py
+# longest modules first was too (857 s)
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 --ignore=$(SOLO)
-	$(PY) -m pytest -q $(SOLO)
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 clean:
 	rm -rf $(VENV)

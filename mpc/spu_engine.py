@@ -66,6 +66,10 @@ _POOL_LINK_TIMEOUT = 3600.0
 #: a pooled engine is replaced after this many seconds: its session certificate is valid a day
 _POOL_MAX_AGE = 12 * 3600.0
 _PROBE_TIMEOUT = 10.0            # seconds a reused engine's barrier may take at a session's start
+#: seconds a pooled engine's link stays up after its last answer when its daemon stops: a call
+#: ends on one side with a send the library makes asynchronously, and killing the engine at once
+#: lost it (the peer's last call of that session then failed; seen on CI as the engine pool's flake)
+_POOL_LINGER = 3.0
 
 
 def _unsigned(dtype):
@@ -135,6 +139,7 @@ class SpuEngine:
         self.started = time.monotonic()
         self._pool: EnginePool | None = None
         self.in_use = False
+        self.answered = time.monotonic()   # when the engine last answered a call
         try:
             cert, key, pem = _session_certificate(self._dir, f"starfish-spu-{rank}")
             own_host, peer_host = channel.hosts
@@ -208,6 +213,7 @@ class SpuEngine:
                                   f"ended with exit code {code})") from None
             raise EngineError(f"the two-party engine process ended (exit code {code})") from None
         self._account(counts)
+        self.answered = time.monotonic()
         if status != "ok":
             self.broken = True   # a failed call may leave the link's sequence out of step
             raise EngineError(value)
@@ -458,14 +464,17 @@ class SpuEngine:
             return
         self.shutdown()
 
-    def shutdown(self, graceful: bool = True) -> None:
+    def shutdown(self, graceful: bool = True, linger: float = 0.0) -> None:
         """End the engine: gracefully, its process meets the peer's at a barrier of the link,
         stops it and exits (both parties close together: the end of a one-off session);
-        otherwise (a pooled engine dropped alone, or a daemon stopping) the process is ended at
-        once, since no peer will meet it at the barrier. Whatever the library does while
-        tearing down stays in that process."""
+        otherwise (a pooled engine dropped alone, or a daemon stopping) the process is ended
+        without a barrier, since no peer will meet it there, but a sound engine's link is first
+        kept up until ``linger`` seconds after its last answer (its last sends may be in flight).
+        Whatever the library does while tearing down stays in that process."""
         try:
             conn, proc = self._conn, self._proc
+            if not graceful and linger > 0 and self.alive():
+                time.sleep(max(0.0, self.answered + linger - time.monotonic()))
             if proc is not None and (self._stuck or not graceful):
                 proc.kill()
             if conn is not None and not self._stuck and graceful:
@@ -585,10 +594,11 @@ class EnginePool:
             return False
 
     def close(self) -> None:
-        """End every engine (a daemon stopping): at once, no peer meets them at a barrier."""
+        """End every engine (a daemon stopping): without a barrier (no peer meets them there), a
+        sound one ``_POOL_LINGER`` seconds after its last answer at the earliest."""
         with self._lock:
             self._closed = True
             engines, self._engines = list(self._engines.values()), {}
         for e in engines:
             e._pool = None
-            e.shutdown(graceful=False)
+            e.shutdown(graceful=False, linger=_POOL_LINGER)
