@@ -373,7 +373,7 @@ def _random_cases(seed: int, n: int, max_k: int, max_d: int, max_enc: int) -> li
 
 
 def test_fedseca_2pc_matches_twin(pair):
-    cases = _random_cases(11, 24, max_k=9, max_d=12, max_enc=1 << 30)
+    cases = _random_cases(11, 12, max_k=9, max_d=12, max_enc=1 << 30)
     cases.append({"g": np.array([[1.0, -2.0, 0.5, 3.0], [2.0, -1.0, 0.2, 1.0], [1.5, -3.0, -0.4, 2.0]]),
                   "gamma": 0.5, "lam": np.array([1.0, 1.0, 1.5]), "brace_lam": 0.0})
     cases.append({"g": np.zeros((4, 3)), "gamma": 0.9, "lam": np.zeros(4), "brace_lam": 0.0})
@@ -417,7 +417,7 @@ def _assert_fedseca_matches_twin(cases: list, out0: list, out1: list) -> None:
 def test_fedseca_2pc_in_small_batches(pair):
     """Comparison calls split into pieces of 7 elements (as full-size calls are split) give the
     same bits and an aggregate within the bound."""
-    cases = _random_cases(17, 4, max_k=6, max_d=9, max_enc=1 << 30)
+    cases = _random_cases(17, 2, max_k=6, max_d=9, max_enc=1 << 30)
     small, _ = pair.call(rap.fedseca_cases, cases, 7)
     pair.call(rap.fedseca_cases, [], 1 << 22)   # back to the default for later calls
     for case, got in zip(cases, small):

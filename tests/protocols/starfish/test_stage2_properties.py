@@ -11,9 +11,9 @@ round-selection method (ratio, divide, or auto with t_delta 0 -> divide or t_del
 ratio), the model, local epochs and whether the targets carry the backdoor.
 
 Cost: every example runs FL and a 2PC Stage II (about 5-10 s), so the number of examples is a
-fraction of the active hypothesis profile's: ``default`` (30) -> 12 generated examples plus the
-explicit ones below (about 105 s when all pass), ``thorough``
-(``--hypothesis-profile=thorough``, 400) -> 160 (about 15 minutes). Shrinking is
+fraction of the active hypothesis profile's: ``default`` (30) -> 7 generated examples plus the
+explicit ones below (about 70 s when all pass; 12 took 105 s, over the suite's budget),
+``thorough`` (``--hypothesis-profile=thorough``, 400) -> 100 (about 10 minutes). Shrinking is
 off (each shrink step is another 2PC run); a failure names its whole configuration and the
 figures that differ instead (plaintext cosine ranking near the cut for RS, the differing
 checks for TC, the parameter difference and each client's newest L-BFGS pair for UE).
@@ -49,7 +49,7 @@ MODEL_TOLERANCE = 1e-2
 RS_MARGIN = 1e-3        # gap between the k-th and (k+1)-th cosine key
 TC_MARGIN = 1e-3        # |max |g_hat| - delta| / delta of a client at a check
 PAIR_MARGIN = 1e-3      # |cos(y, s) - MIN_COSINE| of an offered L-BFGS pair
-EXAMPLES = max(1, settings.default.max_examples * 2 // 5)   # default 30 -> 12, thorough 400 -> 160
+EXAMPLES = max(1, settings.default.max_examples // 4)   # default 30 -> 7, thorough 400 -> 100
 T_DELTA = {"small": 0, "large": 10**6}                  # auto: T >= 0 -> divide; T < 10**6 -> ratio
 
 
@@ -254,6 +254,10 @@ def _compare(cfg: Config, run: dict) -> list[str]:
     return problems
 
 
+SPLIT = Config(clients=4, rounds=12, targets=(0, 1, 3), sigma=0.485, alpha=0.0, beta=0.128, buffer=2,
+               method="auto", t_delta="small", model="mlp", epochs=1, backdoor=False, seed=2)
+
+
 @settings(max_examples=EXAMPLES, phases=[Phase.explicit, Phase.generate])
 # Disagreements found by this test (mlp, UE; see the report in the module docstring): pinned so
 # that they run whatever examples the generator draws.
@@ -276,12 +280,15 @@ def _compare(cfg: Config, run: dict) -> list[str]:
 # (aggregate sums -9.850 plaintext, -9.432 2PC, norms 0.8773 and 0.8776): the discontinuity of
 # the module docstring ("Inherent and not excluded"). Pinned as an expected failure: hypothesis
 # fails the run if it starts passing.
-@example(Config(clients=4, rounds=12, targets=(0, 1, 3), sigma=0.485, alpha=0.0, beta=0.128, buffer=2,
-                method="auto", t_delta="small", model="mlp", epochs=1, backdoor=False, seed=2)
-         ).xfail(raises=AssertionError, reason="the MLP trajectory splits at an exact step (see the comment)")
+@example(SPLIT).xfail(raises=AssertionError, reason="the MLP trajectory splits at an exact step (see the comment)")
 @given(cfg=configs())
 def test_secure_stage2_equals_plaintext_twin(cfg: Config):
     note(f"config: {asdict(cfg)}")
+    # the fixed seed draws SPLIT again among the first generated examples at every count below 12
+    # (7 and 8 tried): it is the pinned expected failure above, not a new finding
+    if cfg == SPLIT:
+        event("the pinned trajectory split drawn again")
+        assume(False)
     run = _run(cfg)
     problems = _compare(cfg, run)
     assert not problems, f"config {asdict(cfg)}\n" + "\n".join(problems)
