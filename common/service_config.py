@@ -23,7 +23,7 @@ from typing import Any
 
 from common.robust_rules import (AGGREGATORS, BRACE_CLIENTS, BRACE_DECAY, BRACE_LAMBDA, BRACE_SCALE,
                                  FEDSECA_BETA, FEDSECA_GAMMA)
-from common.offline_mode import OfflineMode
+from common.offline_mode import DEFAULT_OFFLINE, OfflineMode
 from common.starfish_params import PAPER
 from net import tls
 
@@ -191,7 +191,7 @@ class ClientsSection:
 class ServiceConfig:
     path: Path
     keys_dir: Path
-    offline: OfflineMode = OfflineMode.DEALER   # where the 2PC sessions' correlations come from
+    offline: OfflineMode = DEFAULT_OFFLINE   # where the 2PC sessions' correlations come from
     server0: ServerSection = field(default_factory=ServerSection)
     server1: ServerSection = field(default_factory=lambda: ServerSection(
         api_port=7110, peer_port=7111, mpc_port=7112, data_dir="data/server1"))
@@ -328,7 +328,7 @@ def load_config(path: str | os.PathLike[str]) -> ServiceConfig:
     if not isinstance(keys, str):
         raise ConfigError("[deployment] keys_dir must be a string")
     try:
-        offline = OfflineMode.of(deployment.get("offline", OfflineMode.DEALER))
+        offline = OfflineMode.of(deployment.get("offline", DEFAULT_OFFLINE))
     except ValueError as exc:
         raise ConfigError(f"[deployment] {exc}") from None
     cfg = ServiceConfig(path=p, keys_dir=Path("."), offline=offline)
@@ -395,7 +395,7 @@ SCRATCH_CA_DIR = "ca-offline"
 
 def write_scratch_deployment(directory: str | os.PathLike[str], *, clients: int = 20,
                              overrides: dict[str, dict[str, Any]] | None = None,
-                             offline: OfflineMode | str = OfflineMode.DEALER) -> Path:
+                             offline: OfflineMode | str = DEFAULT_OFFLINE) -> Path:
     """Keys (servers, dealer, admin, client-0..N-1) and a config on free loopback ports.
 
     Returns the path of ``config.toml``. ``overrides`` maps section -> {key: value};

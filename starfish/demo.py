@@ -57,6 +57,7 @@ from net import tls
 from common import wire
 from net.channel import ChannelError
 from common.encoding import decode, encode
+from common.offline_mode import DEFAULT_OFFLINE
 from common.service_config import AGGREGATORS, BRACE_CLIENTS, load_config, write_scratch_deployment
 from protocols.robust_aggregation import brace_sign
 from protocols.starfish import run_stage2
@@ -114,9 +115,10 @@ class ProcessGroup:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", action="store_true", help="the 2PC runtime demo instead of the service")
-    p.add_argument("--offline", choices=("dealer", "two-party"), default="dealer",
-                   help="where correlated randomness comes from: a dealer process (default) or "
-                        "nobody: the two servers make it between themselves (no third process)")
+    p.add_argument("--offline", choices=("dealer", "two-party"), default=DEFAULT_OFFLINE.value,
+                   help="where correlated randomness comes from: nobody (two-party, the default: the "
+                        "two servers make it between themselves, no third process) or a dealer process "
+                        "(faster, but a third party to trust)")
     p.add_argument("--aggregator", choices=AGGREGATORS, default="fedavg",
                    help="how each round's uploads become the next model: fedavg (default: the exact "
                         "ring sum) or a Byzantine-robust rule the two servers compute in 2PC at every "

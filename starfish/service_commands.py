@@ -29,6 +29,7 @@ from clients.service_client import ServiceClient, ServiceError
 from net import tls
 from common import wire
 from net.channel import ChannelError
+from common.offline_mode import DEFAULT_OFFLINE
 from common.service_config import SCRATCH_CA_DIR, ConfigError, load_config, write_scratch_deployment
 
 __all__ = ["add_commands"]
@@ -569,7 +570,7 @@ def add_commands(sub: Any) -> None:
     i.add_argument("--clients", type=int, default=20, help="client certificates and clients_expected (20)")
     i.add_argument("--rounds", type=int, default=40, help="FL rounds (40)")
     i.add_argument("--deadline", type=float, metavar="S", help="round deadline in seconds (60)")
-    i.add_argument("--offline", choices=("dealer", "two-party"), default="dealer",
-                   help="[deployment] offline: dealer (default; run `starfish dealer` too) or two-party "
-                        "(no dealer: the servers make the correlated randomness themselves)")
+    i.add_argument("--offline", choices=("dealer", "two-party"), default=DEFAULT_OFFLINE.value,
+                   help="[deployment] offline: two-party (default: no dealer, the servers make the "
+                        "correlated randomness themselves) or dealer (faster; run `starfish dealer` too)")
     i.set_defaults(func=cmd_init_deployment)

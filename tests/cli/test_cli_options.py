@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from common.service_config import load_config
+from common.service_config import load_config, write_scratch_deployment
 from starfish.cli import build_parser, main
 
 
@@ -53,10 +53,25 @@ def test_scaling_takes_counts_in_e_notation_and_the_profile_spelling():
         PARSER.parse_args(["bench", "scaling", "--base-params", "1.5"])
 
 
-def test_init_deployment_offline_two_party(tmp_path, capsys):
-    assert main(["init-deployment", str(tmp_path / "d"), "--clients", "2", "--offline", "two-party"]) == 0
+def test_init_deployment_is_two_party_by_default_and_dealer_on_request(tmp_path, capsys):
+    """Issue 26: nothing beyond the two servers unless the operator asks for a dealer."""
+    assert main(["init-deployment", str(tmp_path / "d"), "--clients", "2"]) == 0
     assert load_config(tmp_path / "d" / "config.toml").offline == "two-party"
     out = capsys.readouterr().out
     assert "starfish dealer" not in out and "offline = \"two-party\"" in out
     assert main(["init-deployment", str(tmp_path / "d")]) == 2      # refuses an existing deployment
     assert "refusing" in capsys.readouterr().err
+    assert main(["init-deployment", str(tmp_path / "e"), "--clients", "2", "--offline", "dealer"]) == 0
+    assert load_config(tmp_path / "e" / "config.toml").offline == "dealer"
+    assert "starfish dealer --config" in capsys.readouterr().out
+
+
+def test_a_config_that_names_no_mode_is_two_party(tmp_path):
+    path = write_scratch_deployment(tmp_path / "d", clients=2)
+    text = path.read_text()
+    assert 'offline = "two-party"' in text
+    path.write_text(text.replace('offline = "two-party"\n', ""))
+    assert "offline" not in path.read_text()
+    assert load_config(path).offline == "two-party"
+    demo = PARSER.parse_args(["demo"])
+    assert demo.offline == "two-party"

@@ -45,7 +45,7 @@ def one_line(text: str) -> str:
 def scratch(tmp_path_factory) -> Path:
     """A deployment with 3 client certificates and no daemon running."""
     root = tmp_path_factory.mktemp("scratch")
-    write_scratch_deployment(root, clients=3)
+    write_scratch_deployment(root, clients=3, offline="dealer")   # test 1 starts its dealer
     return root
 
 

@@ -14,7 +14,11 @@ from starfish.demo import ProcessGroup
 
 
 class Deployment:
-    """A scratch deployment plus the processes started for it (stopped by ``close``)."""
+    """A scratch deployment plus the processes started for it (stopped by ``close``).
+
+    Dealer mode unless a test asks for two-party (the product's default): most service tests are
+    about the daemons, not the correlations, and a dealer session costs seconds less to start;
+    the two-party service has tests of its own (``test_service_two_party.py`` and others)."""
 
     def __init__(self, root: Path, *, clients: int, overrides: dict[str, dict[str, Any]],
                  offline: str = "dealer") -> None:

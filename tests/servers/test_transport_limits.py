@@ -61,7 +61,7 @@ def _close_all(socks) -> None:
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory) -> Path:
-    return write_scratch_deployment(tmp_path_factory.mktemp("limits"), clients=2)
+    return write_scratch_deployment(tmp_path_factory.mktemp("limits"), clients=2, offline="dealer")
 
 
 class _Ping:
