@@ -28,7 +28,6 @@ test, the window test, exact truncation and SecTC's test over all rows.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import logging
 import multiprocessing as mp
@@ -44,6 +43,7 @@ import numpy as np
 from net.channel import KIND_OBJECT, Channel
 from net.link import NO_LINK, LinkProfile
 from net.metering import KINDS, Meter
+from .engine_certificate import session_certificate
 from .spu_process import (CLOSE_GRACE, CLOSE_WAIT, PRODUCTS, RINGS, EngineError, engine_main, prog_ge0,
                           prog_matmul, prog_mul, prog_positive, prog_rows_exceed, prog_window)
 from common.wire import pack, unpack_bounded
@@ -74,34 +74,6 @@ _POOL_LINGER = 3.0
 
 def _unsigned(dtype):
     return np.uint32 if np.dtype(dtype).itemsize == 4 else np.uint64
-
-
-def _session_certificate(directory: str, name: str) -> tuple[str, str, bytes]:
-    """A fresh EC key and a self-signed certificate valid for a day: (cert path, key path, PEM)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            # a trust anchor for exactly one peer: it may only sign itself
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .sign(key, hashes.SHA256()))
-    pem = cert.public_bytes(serialization.Encoding.PEM)
-    cert_path, key_path = os.path.join(directory, "own.crt"), os.path.join(directory, "own.key")
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption()))
-    with open(cert_path, "wb") as f:
-        f.write(pem)
-    return cert_path, key_path, pem
 
 
 class SpuEngine:
@@ -141,7 +113,7 @@ class SpuEngine:
         self.in_use = False
         self.answered = time.monotonic()   # when the engine last answered a call
         try:
-            cert, key, pem = _session_certificate(self._dir, f"starfish-spu-{rank}")
+            cert, key, pem = session_certificate(self._dir, f"starfish-spu-{rank}")
             own_host, peer_host = channel.hosts
             ctx = mp.get_context("spawn")
             self._conn, child = ctx.Pipe()
@@ -190,13 +162,11 @@ class SpuEngine:
         gone_since = None
         while not self._conn.poll(_POLL):
             now = time.monotonic()
-            if self._peer_gone.is_set() or (self._channel is not None and self._channel.peer_closed):
+            how = self._peer_left()
+            if how:
                 gone_since = now if gone_since is None else gone_since
                 if now - gone_since >= _PEER_GRACE:
                     self._stuck = self.broken = True
-                    # which signal it was: the link's relays, or the session's channel
-                    how = ("the session's channel closed" if self._channel is not None and self._channel.peer_closed
-                           else "it closed every connection of the link")
                     raise EngineError(f"the peer's two-party engine is gone ({how})")
             if now >= deadline:
                 self._stuck = True   # close() ends it at once: it would not hear a close request
@@ -207,7 +177,7 @@ class SpuEngine:
             self.broken = True
             self._proc.join(1.0)
             code = self._proc.exitcode if self._proc is not None else None
-            if self._peer_gone.is_set() or (self._channel is not None and self._channel.peer_closed):
+            if self._peer_left():
                 # the engine library may crash (SIGSEGV) on a link its peer dropped: name the cause
                 raise EngineError("the peer's two-party engine is gone (its link closed; ours then "
                                   f"ended with exit code {code})") from None
@@ -218,6 +188,15 @@ class SpuEngine:
             self.broken = True   # a failed call may leave the link's sequence out of step
             raise EngineError(value)
         return value
+
+    def _peer_left(self) -> str:
+        """Which sign of a departed peer is seen, if any: the session's channel closed, or the
+        peer closed every connection of the link (the relays saw it); "" while it is there."""
+        if self._channel is not None and self._channel.peer_closed:
+            return "the session's channel closed"
+        if self._peer_gone.is_set():
+            return "it closed every connection of the link"
+        return ""
 
     def _account(self, counts: dict | None) -> None:
         """Copy the growth of the child's counters into this session's meter (open steps)."""
