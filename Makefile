@@ -25,7 +25,7 @@ demo: setup
 # 746 s instead of 1,062 s on 2 cores; three workers were slower (772 s), and collecting the
 # longest modules first was too (857 s)
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 clean:
 	rm -rf $(VENV)

@@ -2,8 +2,8 @@
 
 Why: CrypTen divides each party's share locally (``share // N``), which is off by about
 2**64 / N whenever the two shares wrap around the ring (probability about |x| / 2**64 per
-element). Powers of two have a wrap-free truncation (``mpc.truncation``; the engine's exact floor
-in two-party mode); CrypTen also divides by other integers (``mean``, ``var``, ``avg_pool2d`` by 9,
+element). Powers of two have a wrap-free truncation (``mpc.truncation``, in both modes; in two-party
+mode the servers make its pairs with the engine); CrypTen also divides by other integers (``mean``, ``var``, ``avg_pool2d`` by 9,
 ``log`` by 120), so this builds x / N out of three such truncations ``T(v, d)`` (floor(v / 2**d)
 or one more, for |v| < 2**62) and local ring arithmetic only:
 
@@ -17,7 +17,7 @@ or one more, for |v| < 2**62) and local ring arithmetic only:
 x / N = h a + q1 + r / N, and q2 is r / N to within one unit plus the reciprocal's rounding
 (``error_bound``: below 1 + 2**-20 units for every divisor up to 2**32 and every |x| < 2**62).
 Cost: three truncations one after the other (dealer mode: 3 rounds, 3 x 8 bytes each way per
-element online, 3 truncation pairs offline; two-party mode: 3 engine floors). What is opened is
+element online, 3 truncation pairs offline, made by the engine in two-party mode). What is opened is
 what the truncation opens (uniformly masked values): nothing.
 
 Every step is linear in the shares or a truncation, so :func:`divide_share` runs unchanged on

@@ -24,7 +24,7 @@ from common.encoding import DEFAULT_PRECISION
 from common.offline_mode import OfflineMode
 from net.peer_accept import accept_peer, check_ticket, connect_peer
 from .tfp import TestOnlyTFP
-from .truncation import RANGE_BITS, truncate_share
+from .truncation import truncate_share
 from .two_party_provider import NAME as TWO_PARTY, TwoPartyProvider
 
 TFP = "TFP"
@@ -64,18 +64,6 @@ def shared_engine_pool():
         _engine_pool = EnginePool()
         atexit.register(_engine_pool.close)   # before multiprocessing joins the engine processes
     return _engine_pool
-
-
-def _engine_truncation(share, d):
-    """Two-party mode's truncation (in the engine), with the range checks of ``mpc.truncation``."""
-    if share.numel() == 0:
-        return share.clone()
-    if torch.is_tensor(d) and d.dim() > 0:
-        if bool((d < 0).any()) or bool((d > RANGE_BITS).any()):
-            raise ValueError(f"truncation exponents must be in 0..{RANGE_BITS}")
-    elif not 1 <= int(d) <= RANGE_BITS:
-        raise ValueError(f"truncation by d bits needs 1 <= d <= {RANGE_BITS}, got {d}")
-    return _two_party.truncate_share(share, d)
 
 
 @dataclass
@@ -216,7 +204,6 @@ def open_party(
                                       kind="offline", meter=meter, link=dealer_link, timeout=timeout)
                 dealer = DealerLink(dch, rank, session_id)
                 _provider.attach(rank, dealer)
-            wrapfree = truncate_share
             if mode is OfflineMode.TWO_PARTY:
                 from .spu_engine import SpuEngine  # its engine process imports jax and SPU
 
@@ -225,9 +212,8 @@ def open_party(
                 else:
                     engine = SpuEngine(rank, ch, meter, link=link, timeout=timeout)
                 _two_party.attach(engine)
-                wrapfree = _engine_truncation
             cc.use_provider(provider)
-            cc.replace_local_truncation(wrapfree if truncation == "wrapfree" else None)
+            cc.replace_local_truncation(truncate_share if truncation == "wrapfree" else None)
     except BaseException:
         # a half-open session would keep the peer waiting on a live socket until its timeout
         if engine is not None:

@@ -29,7 +29,7 @@ import numpy as np
 from net.metering import KINDS, Meter
 
 __all__ = ["EngineError", "RINGS", "PRODUCTS", "engine_main", "prog_ge0", "prog_window", "prog_mul",
-           "prog_matmul", "prog_rows_exceed", "prog_positive"]
+           "prog_matmul", "prog_matmul_elementwise", "prog_trunc_pair", "prog_rows_exceed", "prog_positive"]
 
 _CHUNK_BYTES = 1 << 26          # one SPU value chunk (64 MiB)
 _FRACTION_BITS = 16              # unused by our integer programs; SPU needs a value
@@ -76,6 +76,18 @@ def prog_mul(a, b):
 
 def prog_matmul(a, b):
     return jnp.matmul(a, b)
+
+
+def prog_trunc_pair(u, v, s, z):
+    # the three carries of r = r0 + r1 (``SpuEngine.truncation_pairs``): of the low d bits, of the
+    # low 63 bits, and out of bit 63 (a full adder's carry: [m0 + m1 + c63 >= 2])
+    c63 = (v >= 0).astype(jnp.int64)
+    return (u >= 0).astype(jnp.int64) + z, c63 + z, (s + c63 >= 0).astype(jnp.int64) + z
+
+
+def prog_matmul_elementwise(a, b):
+    # a (..., i, k) @ b (..., k, j) as i x k x j products of one elementwise multiplication
+    return jnp.sum(a[..., :, :, None] * b[..., None, :, :], axis=-2)
 
 
 def prog_rows_exceed(y, thr, z):

@@ -15,7 +15,9 @@ r >> d (logical) and of msb(r). With the bias x' = x + 2**62 (in [0, 2**63) for 
    local truncation's error of one unit, but never the 2**(64 - d) error).
 
 Cost per element: 8 bytes each way online, one round; offline 16 bytes to party 1 (party 0
-derives its shares from its seed). Requires |x_ring| < 2**62 and 1 <= d <= 62. Opens c only.
+derives its shares from its seed). In two-party mode the servers make the pairs themselves
+(``mpc.two_party_provider``: three sign tests a pair in the engine, in batches); truncations by
+per-element exponents run in the engine there. Requires |x_ring| < 2**62 and 1 <= d <= 62. Opens c only.
 ``mpc.session.open_party(truncation="wrapfree")`` (the default) makes every two-party truncation
 of CrypTen (``div`` by a power of two, which every fixed-point multiplication ends with) use it;
 other integer divisors take three of them (``mpc.public_division``).
@@ -61,8 +63,8 @@ def truncate_share(share: torch.Tensor, d: Any) -> torch.Tensor:
             raise ValueError(f"truncation by d bits needs 1 <= d <= {RANGE_BITS}, got {d}")
         lo = hi = d
     provider = crypten.mpc.get_default_provider()
-    if hasattr(provider, "floor_share"):   # two-party mode: the engine truncates (exactly)
-        return provider.truncate_share(share, exps if per_element else d)
+    if per_element and hasattr(provider, "floor_share"):   # two-party mode: the engine truncates
+        return provider.truncate_share(share, exps)
     comm = crypten.communicator.get()
     rank = comm.get_rank()
     r, top, highs = provider.trunc_pairs(tuple(share.shape), lo, hi)

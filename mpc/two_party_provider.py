@@ -7,10 +7,14 @@ piece with the other server through the two-party engine (``mpc.spu_engine``, CH
   shares of a and b from its own PRG, and the engine computes shares of c = a op b (lattice HE
   for the cross terms; a convolution is one ``matmul`` on the im2col layout, ``mpc.ring_conv``).
   The online protocol that consumes them is unchanged.
-* Comparisons (``mpc.nonnegative``: the sign and window tests) and truncations are not built
-  from dealer-style pieces here (an edabit and 118 AND triples per element would cost far more
-  to make between two parties than the operation itself): the engine does the whole operation
-  on the shares (``nonnegative_share``, ``below_power_of_two_share``, ``truncate_share``).
+* Comparisons (``mpc.nonnegative``: the sign and window tests) are not built from dealer-style
+  pieces here (an edabit and 118 AND triples per element would cost far more to make between
+  two parties than the operation itself): the engine does the whole operation on the shares
+  (``nonnegative_share``, ``below_power_of_two_share``; exact floors ``floor_share``, and
+  truncations by per-element exponents, ``truncate_share``).
+* Truncation pairs (``mpc.truncation``, one exponent): each party draws its r_i, the engine makes
+  the shares of msb(r) and r >> d (three sign tests a pair, ``SpuEngine.truncation_pairs``),
+  in batches ahead of need; the online truncation is then the dealer mode's one round.
 * CrypTen's random bits (``B2A_rng``, used by ``crypten.rand``): each party's bit is its XOR
   share, and the arithmetic share takes one engine product of the two private bits.
 * CrypTen's equality (``eq``, ``ne``) takes two sign tests in the engine (``mpc.crypten_compat``),
@@ -51,7 +55,9 @@ def _shape(size) -> tuple[int, ...]:
         return (int(size),)
 
 
-_OPS = ("mul", "matmul")   # the products the engine makes (``mpc.spu_engine.PRODUCTS``)
+_OPS = ("mul", "matmul")
+_PAIRS_FIRST = 1 << 10   # truncation pairs made by the first engine call of a session (per exponent)
+_PAIRS_MAX = 1 << 16     # the largest batch made ahead of need   # the products the engine makes (``mpc.spu_engine.PRODUCTS``)
 
 
 class TwoPartyProvider(TupleProviderBase):
@@ -62,9 +68,12 @@ class TwoPartyProvider(TupleProviderBase):
         self.engine = None
         self._seed = b""
         self._index = 0
+        self._pairs: dict[int, tuple[np.ndarray, ...]] = {}
+        self._pair_batch: dict[int, int] = {}
 
     def attach(self, engine) -> None:
         self.engine, self._seed, self._index = engine, new_seed(), 0
+        self._pairs, self._pair_batch = {}, {}
 
     def detach(self) -> None:
         self.engine = None
@@ -132,7 +141,33 @@ class TwoPartyProvider(TupleProviderBase):
         raise NotInTwoPartyMode("edabits are not made in two-party mode: comparisons run in the engine")
 
     def trunc_pairs(self, size, lo: int, hi: int):
-        raise NotInTwoPartyMode("truncation pairs are not made in two-party mode: truncations run in the engine")
+        """Truncation pairs for one exponent d = lo = hi (``mpc.truncation``; per-element exponents
+        are truncated in the engine instead): shares of a uniform r, of msb(r) and of r >> d,
+        taken from a stock that the engine fills in batches (``_take_pairs``)."""
+        if lo != hi:
+            raise NotInTwoPartyMode("truncation pairs for several exponents are not made in two-party mode: "
+                                    "per-element exponents are truncated in the engine")
+        shape = _shape(size)
+        r, top, high = self._take_pairs(int(lo), int(np.prod(shape, dtype=np.int64)))
+        return (torch.from_numpy(r.reshape(shape)), torch.from_numpy(top.reshape(shape)),
+                torch.from_numpy(high.reshape(1, *shape)))
+
+    def _take_pairs(self, d: int, n: int) -> tuple[np.ndarray, ...]:
+        """n pairs for exponent d. Why a stock: an engine call costs about 30 ms whatever its size
+        (its rounds), and the fixed-point products of a 2PC program are many and small (UE's
+        Newton steps: hundreds of truncations of a few hundred values), so pairs are made
+        ahead in batches that double from ``_PAIRS_FIRST`` up to ``_PAIRS_MAX``, each truncation
+        then costing one round. Both parties ask for the same sizes in the same order, so their
+        stocks stay in step; a session starts with none (``attach``)."""
+        stock = self._pairs.get(d, (np.empty(0, np.int64),) * 3)
+        if stock[0].size < n:
+            batch = self._pair_batch.get(d, _PAIRS_FIRST)
+            self._pair_batch[d] = min(2 * batch, _PAIRS_MAX)
+            (r,) = self._random((max(n - stock[0].size, batch),))
+            top, high = self._require().truncation_pairs(r, d)
+            stock = tuple(np.concatenate([old, new]) for old, new in zip(stock, (r, top, high)))
+        self._pairs[d] = tuple(part[n:] for part in stock)
+        return tuple(part[:n] for part in stock)
 
     # ---------------------------------------------------------------- whole operations
     def direct_product(self, op: str, x: torch.Tensor, y: torch.Tensor, *args, **kwargs) -> torch.Tensor:
