@@ -55,9 +55,9 @@ def _shape(size) -> tuple[int, ...]:
         return (int(size),)
 
 
-_OPS = ("mul", "matmul")
+_OPS = ("mul", "matmul")   # the products the engine makes (``mpc.spu_engine.PRODUCTS``)
 _PAIRS_FIRST = 1 << 10   # truncation pairs made by the first engine call of a session (per exponent)
-_PAIRS_MAX = 1 << 16     # the largest batch made ahead of need   # the products the engine makes (``mpc.spu_engine.PRODUCTS``)
+_PAIRS_MAX = 1 << 16     # the largest batch made ahead of need
 
 
 class TwoPartyProvider(TupleProviderBase):
