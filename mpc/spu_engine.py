@@ -99,11 +99,9 @@ class SpuEngine:
                  link_timeout: float | None = None):
         """Set up the link; both parties call this at the same point of their session.
 
-        ``trust_override`` (tests only): trust this PEM instead of the certificate the peer sent,
-        which is how a test shows that a wrong certificate is refused. ``link_timeout``: how long
-        the library's receives wait inside a call (default ``timeout``; a pooled engine's is
-        longer, since it outlives the session that made it).
-        """
+        ``trust_override`` (tests only): trust this PEM instead of the peer's certificate (a
+        wrong certificate is refused). ``link_timeout``: how long the library's receives wait in a
+        call (default ``timeout``; a pooled engine's is longer: it outlives its first session)."""
         self.rank = rank
         self.meter = meter
         self._channel: Channel | None = channel
@@ -303,16 +301,13 @@ class SpuEngine:
     def floor(self, share: np.ndarray, d: int) -> np.ndarray:
         """Share of floor(x / 2**d), exactly, for a signed ring element |x| < 2**62, 1 <= d <= 62.
 
-        SPU's own right shift of a secret integer goes through a boolean conversion of all 64
-        bits, and its fixed-point truncation has one fixed width; so the truncation is written
-        here from two sign tests on small values. With the bias x' = x + 2**62 (in [0, 2**63))
+        SPU's right shift of a secret converts all 64 bits to boolean shares; this takes two sign
+        tests on small values instead. With the bias x' = x + 2**62 (in [0, 2**63))
         and the shares read unsigned, x0 + x1 = x' + w 2**64, and
             floor(x' / 2**d) = (x0 >> d) + (x1 >> d) + carry - w 2**(64 - d)
         with carry = [x0 mod 2**d + x1 mod 2**d >= 2**d] and, because x' < 2**63,
         w = msb(x0) OR msb(x1) = [msb(x0) + msb(x1) >= 1]. Both bits are sign tests of values
-        that are already additively shared by the two parties' own local numbers (no ring wrap:
-        they are tiny), done together in one engine call.
-        """
+        the parties already hold as tiny additive parts (no wrap), in one engine call."""
         if share.size == 0:
             return np.array(share, dtype=np.int64, copy=True)
         x = np.ascontiguousarray(share, dtype=np.int64).reshape(-1)
@@ -336,17 +331,12 @@ class SpuEngine:
         return out.reshape(np.shape(share))
 
     def truncation_pairs(self, r: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
-        """This party's shares of msb(r) and of r >> d (logical), where r = r0 + r1 mod 2**64 and
-        ``r`` is this party's r_i (its own uniform draw): the rest of a truncation pair of
-        ``mpc.truncation``, made between the two servers. 1 <= d <= 62.
-
-        Read unsigned, r0 + r1 = r + w 2**64 with w the carry out of bit 63. Then
-            r >> d = (r0 >> d) + (r1 >> d) + c_d - w 2**(64 - d),
-            msb(r) = m0 + m1 + c63 - 2 w          (a full adder: m_i = msb(r_i)),
-        with c_d = [low_d(r0) + low_d(r1) >= 2**d], c63 the same for the low 63 bits, and
-        w = [m0 + m1 + c63 >= 2]. Each is a sign test of a value the two parties already hold
-        as additive parts that cannot wrap the signed ring (the 63-bit one spans exactly
-        [-2**63, 2**63 - 2]): three sign tests per pair, in one engine call (offline)."""
+        """This party's shares of msb(r) and of r >> d (logical), r = r0 + r1 mod 2**64 and ``r``
+        this party's own uniform r_i: the rest of a truncation pair (``mpc.truncation``), 1 <= d <= 62.
+        With r0 + r1 = r + w 2**64: r >> d = (r0 >> d) + (r1 >> d) + c_d - w 2**(64 - d) and
+        msb(r) = m0 + m1 + c63 - 2 w (a full adder), c_d, c63 the carries of the low d and 63 bits,
+        w = [m0 + m1 + c63 >= 2]: three sign tests of parts that cannot wrap the signed ring, in
+        one engine call (offline). Proof: docs/protocols.md, "Two-party mode"."""
         r = np.ascontiguousarray(r, dtype=np.int64).reshape(-1)
         u = r.view(np.uint64)
         low_d = (u & np.uint64((1 << d) - 1)).astype(np.int64)
@@ -368,10 +358,8 @@ class SpuEngine:
         return top, high
 
     def truncate(self, share: np.ndarray, d: int) -> np.ndarray:
-        """Share of x / 2**d for |x| < 2**62 (``mpc.truncation``'s contract: floor or one more;
-        this one is always the floor). CHEETAH's own fixed-point truncation would be much faster,
-        but feeding it a public factor failed inside SPU 0.9.5's value conversion and a constant
-        factor compiled to a truncation that was wrong by up to 2**39 on our values: not used."""
+        """Share of x / 2**d for |x| < 2**62: the floor. (CHEETAH's own truncation failed on a
+        public factor in SPU 0.9.5 and was wrong by up to 2**39 with a constant one.)"""
         return self.floor(share, d)
 
     def rows_exceed(self, x: np.ndarray, drop_bits: int, d: np.ndarray) -> np.ndarray:
@@ -379,23 +367,12 @@ class SpuEngine:
         x / 2**drop_bits truncated (floor or one less) and d one shared threshold per row?
         SecTC's test, opened per row only.
 
-        Why 32 bits: SecTC's values are small (domain |y|, |d| < 2**14 at 16 fractional bits, so
-        that y -+ |d| fits a signed 32-bit value, as for the dealer mode's ``mpc.table_compare``),
-        and in a 32-bit ring a comparison costs about half of a 64-bit one. The
-        shares are taken mod 2**32 (a ring homomorphism: still shares of the same value). The
-        truncation by ``drop_bits`` (0 <= k <= 30) is local: with the bias 2**62 and the shares
-        read unsigned, floor(x' / 2**k) = (x0 >> k) + (x1 >> k) + carry - w 2**(64 - k), and
-        mod 2**32 the wrap term and the bias's 2**(62 - k) vanish for k <= 30; the carry
-        (0 or 1) is left out, so y is the floor or one less, as the dealer mode's truncation is
-        the floor or one more: the test moves by at most one unit (2**-16) at the threshold.
-        Then |y| >= |d| is [y >= |d|] OR [y <= -|d|]: 2 comparisons per coordinate, no product,
-        one opened bit per row.
+        Why 32 bits: SecTC's domain (|y|, |d| < 2**14 at 16 fractional bits) fits, and a 32-bit
+        comparison costs about half. Shares are taken mod 2**32; the truncation by ``drop_bits``
+        (0..30) is local and drops the carry, so y is the floor or one less (the test moves by
+        at most 2**-16 at the threshold); |y| >= |d| is [y >= |d|] OR [y <= -|d|].
 
-        Batched over the rows (``_rows_or``): every row's coordinates go through the same engine
-        calls, each a block of all rows by as many columns as ``_EXCEED_BATCH`` allows, with the
-        per-row OR of the block taken inside the call; the blocks' bits are summed per row on
-        shares and one last call tests [sum >= 1]. Before, one call per row: a check of 20
-        clients cost 20 calls (and their rounds), now ceil(20 m / _EXCEED_BATCH) + 1.
+        All rows go through the same engine calls (``_rows_or``; docs/protocols.md, SecTC).
         """
         rows, m = x.shape
         k = int(drop_bits)
@@ -413,11 +390,8 @@ class SpuEngine:
     def _rows_or(self, y: np.ndarray, d: np.ndarray) -> np.ndarray:
         """32-bit shares (rows,) of [some |y[r, k]| >= |d[r]|], y (rows, m) and d (rows,) shared
         mod 2**32, m >= 1. Blocks of (all rows) x (columns) of at most ``_EXCEED_BATCH``
-        coordinates (the engine's memory grows with a call's size: about 3 KB per coordinate
-        of this program, measured); a block's per-row OR is computed inside its call; when a
-        row spans several blocks, its block bits (0/1 shares, at most one per block, so the sum
-        cannot wrap) are added locally and one call over the rows decides [sum >= 1]. Nothing
-        is opened here."""
+        coordinates (the engine's memory grows with a call); a block's per-row OR inside its
+        call, the block bits (0/1, one per block: no wrap) summed locally, one call for [sum >= 1]."""
         rows, m = y.shape
         row_block = min(rows, _EXCEED_BATCH)
         col_block = max(1, min(m, _EXCEED_BATCH // row_block))
@@ -440,18 +414,13 @@ class SpuEngine:
         operands, ring arithmetic mod 2**64; metered as ``kind``: offline when it makes a Beaver
         triple, online when it is the product itself (``direct_product``).
 
-        A batched matmul (same leading dimensions) runs one batch entry per engine call, and a
-        large elementwise product in flat batches: the engine's memory grows with the operands
-        of one call (a (19, 582026, 2) matmul in one call held 5.6 GB per party).
+        A large batched matmul runs one batch entry per engine call, a large elementwise product
+        in flat batches: the engine's memory grows with a call (5.6 GB for (19, 582026, 2)).
 
-        A small matmul (at most ``_ELEMENTWISE_PRODUCTS`` scalar products, batch entries
-        included) is computed as one elementwise multiplication of the broadcast operands, summed
-        along the inner dimension: the library's matrix product costs about 0.45 s and 6 MB a
-        call however small the matrices (its HE set-up dominates), and runs the entries of a batch
-        one after another. Measured (``SpuEngine.run``, loopback, both ways): 19 4x4 products
-        0.41 s / 6.0 MB -> 0.022 s / 0.19 MB; (19, 651, 2) x (19, 2, 1) 0.48 s / 6.2 MB -> 0.24 s /
-        3.6 MB; at (19, 2900, 2) x (19, 2, 1) (110,200 products) the matrix product wins again
-        (0.56 s / 6.9 MB against 0.84 s / 12.6 MB). Same ring values either way."""
+        A small matmul (at most ``_ELEMENTWISE_PRODUCTS`` scalar products) is one elementwise
+        multiplication of the broadcast operands summed along the inner dimension: the library's
+        matrix product costs about 0.45 s a call however small (measured table: docs/protocols.md,
+        "Small products and truncations")."""
         a, b = np.asarray(a), np.asarray(b)
         if a.size == 0 or b.size == 0:   # nothing to compute (the engine would return a public value)
             shape = (np.matmul if op == "matmul" else np.multiply)(np.zeros(a.shape), np.zeros(b.shape)).shape
@@ -495,12 +464,9 @@ class SpuEngine:
         self.shutdown()
 
     def shutdown(self, graceful: bool = True, linger: float = 0.0) -> None:
-        """End the engine: gracefully, its process meets the peer's at a barrier of the link,
-        stops it and exits (both parties close together: the end of a one-off session);
-        otherwise (a pooled engine dropped alone, or a daemon stopping) the process is ended
-        without a barrier, since no peer will meet it there, but a sound engine's link is first
-        kept up until ``linger`` seconds after its last answer (its last sends may be in flight).
-        Whatever the library does while tearing down stays in that process."""
+        """End the engine: gracefully, at a barrier with the peer's (a one-off session's end);
+        otherwise (a pooled engine dropped alone, a daemon stopping) without one, but a sound
+        engine's link stays up until ``linger`` s after its last answer (sends may be in flight)."""
         try:
             conn, proc = self._conn, self._proc
             if not graceful and linger > 0 and self.alive():
