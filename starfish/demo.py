@@ -108,9 +108,19 @@ class ProcessGroup:
             p.kill()
             p.wait(5)
 
-    def stop_all(self) -> None:
-        for name in reversed(list(self.procs)):
-            self.stop(name)
+    def stop_all(self, grace: float = 10.0) -> None:
+        """SIGTERM to every live child at once, then wait for all: each shutdown (a server's link
+        and engine close, about a second) overlaps the others' instead of adding to them."""
+        alive = [p for p in self.procs.values() if p.poll() is None]
+        for p in alive:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in alive:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
