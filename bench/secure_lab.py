@@ -113,15 +113,29 @@ def _server(party, lab_args: dict, targets: list[int], params: StarfishParams, s
     return out
 
 
+def _server_of_pair(party, both_rounds: tuple[list[dict], list[dict]], *args: Any) -> dict:
+    """``_server`` on a :class:`mpc.party_pair.PartyPair`, which hands both parties the same
+    arguments: each takes its own share of the history."""
+    return _server(party, *args, my_rounds=both_rounds[party.rank])
+
+
 def run_secure_starfish(lab_args: argparse.Namespace, history: History, targets: list[int],
                         params: StarfishParams, link=None, timeout: float = 1800.0,
-                        offline: str = "dealer", quiet: bool = True) -> dict:
+                        offline: str = "dealer", quiet: bool = True, pair: Any = None) -> dict:
     """Stage II under 2PC on ``history``; returns both servers' outcomes. ``link``: the emulated
     link of the server link and the dealer link (the lab's ``--profile``); ``offline``: "dealer"
     or "two-party" (no dealer, ``mpc/spu_engine.py``); ``quiet=False``: server 0 shows the
-    replayed rounds on stderr (when it is a terminal)."""
+    replayed rounds on stderr (when it is a terminal). ``pair``: run on this live
+    :class:`mpc.party_pair.PartyPair` instead of new processes (``link``, ``timeout`` and
+    ``offline`` are then the pair's; property tests run many Stage IIs on one pair, whose parties
+    keep the lab's data loaded between them)."""
     shares0, shares1 = split_history(history)
     args = {k: v for k, v in vars(lab_args).items() if k != "func"}
+    if pair is not None:
+        with tempfile.TemporaryDirectory(prefix="starfish-secure-lab-") as tmp:
+            values = pair.call(_server_of_pair, (shares0, shares1), args, targets, params, tmp, new_seed(),
+                               history.model(0).double().numpy(), float(history.server_lr))
+        return {"values": values, "seconds": None}
     (bar0,), (bar1,) = progress.party_args("starfish (2PC)", quiet)
     with tempfile.TemporaryDirectory(prefix="starfish-secure-lab-") as tmp:
         res = run_parties(
