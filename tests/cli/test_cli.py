@@ -43,9 +43,11 @@ def test_runtime_demo_runs_two_parties_and_matches_numpy():
 
 
 def test_service_demo_small_run_reports_and_stops_everything(tmp_path):
-    """`starfish demo` with 4 clients and 5 rounds: the report, then no process left behind."""
+    """`starfish demo` with 4 clients, 5 rounds and 1 after the adoption: the report, then no
+    process left behind."""
     work = tmp_path / "demo"
-    proc = subprocess.run(STARFISH + ["demo", "--clients", "4", "--rounds", "5", "--workdir", str(work)],
+    proc = subprocess.run(STARFISH + ["demo", "--clients", "4", "--rounds", "5", "--after", "1",
+                                      "--workdir", str(work)],
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
