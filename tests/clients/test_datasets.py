@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from clients.datasets import (DatasetError, load_cifar10, load_dataset, load_digits_dataset,
+from clients.datasets import (DatasetError, digits_arrays, load_cifar10, load_dataset, load_digits_dataset,
                               load_idx_dataset, read_idx)
 from clients.partition import dirichlet_split, iid_split, label_bias_split
 
@@ -49,6 +49,21 @@ def test_digits_is_embedded_and_split_stratified():
     counts = torch.bincount(ds.y_test, minlength=10)
     assert int(counts.min()) >= 40  # every class in proportion (~45 each)
     assert torch.equal(load_digits_dataset().y_test, ds.y_test)  # fixed split
+
+
+def test_digits_file_equals_scikit_learns_loader_without_importing_it():
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    images, target = digits_arrays()
+    bunch = load_digits()
+    assert np.array_equal(images, bunch.images) and np.array_equal(target, bunch.target)
+    probe = ("import sys; from clients.datasets import load_digits_dataset; load_digits_dataset(); "
+             "print('sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("compress", [False, True])
