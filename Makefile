@@ -22,8 +22,8 @@ demo: setup
 	$(VENV)/bin/starfish demo
 
 # two workers, each taking whole modules (a module's shared session stays in one worker):
-# 746 s instead of 1,062 s on 2 cores; three workers were slower (772 s), and collecting the
-# longest modules first was too (857 s)
+# 654 s on 2 cores at 5ebacc2 where three workers took 697 s (earlier: 735 s with two, 684 s
+# with three and 771 s with four); the heaviest modules first (tests/conftest.py)
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 

@@ -28,7 +28,7 @@ _FILE_SECONDS = {
     "tests/mpc/test_two_party_mode.py": 98,
     "tests/protocols/test_robust_aggregation.py": 86,
     "tests/protocols/starfish/test_stage2_2pc.py": 81,
-    "tests/protocols/starfish/test_stage2_properties.py": 76,
+    "tests/protocols/starfish/test_stage2_properties.py": 20,
     "tests/servers/test_robust_service.py": 58,
     "tests/cli/test_cli.py": 55,
     "tests/mpc/test_crypten_conformance.py": 53,
