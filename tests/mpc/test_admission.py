@@ -23,6 +23,7 @@ from net.channel import KIND_OBJECT, Channel, ChannelError, accept_loop, listen
 from mpc.dealer import DEALER_CAPS, DealerLink, DealerServer
 from mpc.launcher import ephemeral_keys
 from common.service_config import LimitsSection
+from tests.helpers.strangers import open_strangers
 
 STRANGERS = 1000
 FLOOD_SOURCE = "127.0.0.2"   # the strangers' address; clients connect from 127.0.0.1
@@ -151,25 +152,6 @@ def _raise_fd_limit(need: int) -> int:
     return min(need, max(hard - 200, 0) // 2)  # both ends live in this process
 
 
-def _strangers(addr, n: int, source: str = "127.0.0.1") -> list[socket.socket]:
-    """Plain TCP, no TLS: half silent, half stuck in the middle of a ClientHello,
-    all from ``source`` (Linux routes all of 127/8 to lo)."""
-    out = []
-    for i in range(n):
-        if i % 50 == 49:
-            # attacker and server share this interpreter's GIL: let the accept loop drain the
-            # kernel's accept queue, or a full queue drops SYNs and connect() stalls for 1 s
-            time.sleep(0.01)
-        try:
-            s = socket.create_connection(addr, timeout=5, source_address=(source, 0))
-        except OSError:
-            continue  # a full accept queue: the attack is no weaker for it
-        if i % 2:
-            s.sendall(b"\x16\x03\x01\x02\x00\x01")
-        out.append(s)
-    return out
-
-
 def test_a_thousand_strangers_do_not_delay_an_authenticated_client(keys):
     n = _raise_fd_limit(STRANGERS)
     assert n >= 300, "the fd limit is too low for a meaningful flood"
@@ -182,7 +164,7 @@ def test_a_thousand_strangers_do_not_delay_an_authenticated_client(keys):
         # address (net/source_limits.py), and a client behind the flooding address shares that
         # address's part, so from one address the client's handshake could be pushed out by the
         # strangers admitted after it (seen once on CI: "peer rejected the connection")
-        strangers = _strangers(api.address, n, source=FLOOD_SOURCE)
+        strangers = open_strangers(api.address, n, source=FLOOD_SOURCE)
         flood_seconds = time.monotonic() - t0
         assert len(strangers) >= 0.9 * n
         counts = api.admission.counts()
@@ -251,7 +233,7 @@ def test_300_sockets_on_the_dealer_port_cost_a_few_threads_and_servers_still_get
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
     before = threading.active_count()
-    strangers = _strangers(server.address, 300)
+    strangers = open_strangers(server.address, 300)
     try:
         peak = threading.active_count() - before
         assert server.admission.counts()["handshakes"] <= DEALER_CAPS["max_handshakes"]
@@ -303,7 +285,7 @@ def test_idle_sockets_on_the_2pc_port_do_not_keep_party_0_out():
     (Closing newcomers instead kept party 0 out for as long as 64 idle sockets were renewed.)"""
     keys = ephemeral_keys()
     listener = listen(backlog=1024)
-    strangers = _strangers(listener.getsockname(), 200)
+    strangers = open_strangers(listener.getsockname(), 200)
     box: dict = {}
 
     def party1():

@@ -27,6 +27,7 @@ from common.service_config import load_config, write_scratch_deployment
 from servers.daemon.client_api import ClientAPI
 from servers.dealer_daemon import run_dealer
 from servers.daemon.peer_link import PEER_CAPS, PeerClient, PeerServer
+from tests.helpers.strangers import open_strangers
 
 STRANGERS = 1000
 FLOOD_SOURCE = "127.0.0.2"   # the strangers' address; clients connect from 127.0.0.1
@@ -37,23 +38,6 @@ def _raise_fd_limit() -> int:
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     return hard
-
-
-def _strangers(addr, n: int, source: str = "127.0.0.1") -> list[socket.socket]:
-    """Plain TCP, never TLS: half silent, half stopped inside a ClientHello,
-    all from ``source`` (Linux routes all of 127/8 to lo)."""
-    out = []
-    for i in range(n):
-        if i % 50 == 49:
-            time.sleep(0.01)  # when the server shares our GIL, let it drain its accept queue
-        try:
-            s = socket.create_connection(addr, timeout=5, source_address=(source, 0))
-        except OSError:
-            continue
-        if i % 2:
-            s.sendall(b"\x16\x03\x01\x02\x00\x01")
-        out.append(s)
-    return out
 
 
 def _close_all(socks) -> None:
@@ -85,7 +69,7 @@ def test_300_strangers_on_the_control_link_port_cost_a_few_threads(deployment):
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
     before = threading.active_count()
-    strangers = _strangers(listener.getsockname(), 300)
+    strangers = open_strangers(listener.getsockname(), 300)
     client = PeerClient(cfg.keys_dir, listener.getsockname(), timeout=10, max_bytes=1 << 20,
                         connect_timeout=5)
     try:
@@ -117,7 +101,7 @@ def test_300_strangers_on_the_dealer_daemon_cost_a_few_threads(deployment):
                          kind="offline", timeout=10, connect_timeout=10)  # waits for the daemon
     ch.close()
     before = threading.active_count()
-    strangers = _strangers(addr, 300)
+    strangers = open_strangers(addr, 300)
     try:
         extra = threading.active_count() - before
         t0 = time.monotonic()
@@ -161,7 +145,7 @@ def test_a_thousand_strangers_do_not_lock_clients_out_of_a_real_server(tmp_path)
         pid = dep.procs.procs["server0"].pid
         threads_before = _threads_of(pid)
         # from another address than the clients' (see tests/mpc/test_admission.py, same test)
-        strangers = _strangers(dep.cfg.server(0).api().address, STRANGERS, source=FLOOD_SOURCE)
+        strangers = open_strangers(dep.cfg.server(0).api().address, STRANGERS, source=FLOOD_SOURCE)
         # A handshake pushed out of the full pool is shut down, and its thread needs a moment
         # to see that and end: right after the flood, a few such threads may still be
         # finishing. What must hold is that they do end, leaving at most the pool's worth.
