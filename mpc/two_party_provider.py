@@ -189,11 +189,10 @@ class TwoPartyProvider(TupleProviderBase):
         """This party's share of floor(x / 2**d), exactly (``mpc.exact_truncation``'s contract)."""
         return torch.from_numpy(self._require().floor(share.numpy(), int(d)))
 
-    def truncate_share(self, share: torch.Tensor, d) -> torch.Tensor:
-        """This party's share of x / 2**d for an int d, or a public tensor of exponents (0: kept)."""
+    def truncate_share(self, share: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """This party's share of x / 2**d elementwise, ``d`` a public tensor of exponents (0:
+        kept). A single exponent takes the truncation pairs instead (``mpc.truncation``)."""
         engine = self._require()
-        if not (torch.is_tensor(d) and d.dim() > 0):
-            return torch.from_numpy(engine.truncate(share.numpy(), int(d)))
         exps = d.expand(share.shape).to(torch.long)
         out = share.clone()
         for e in torch.unique(exps).tolist():   # public exponents: one engine call per value
