@@ -99,28 +99,27 @@ class ProcessGroup:
 
     def stop(self, name: str, grace: float = 10.0) -> None:
         p = self.procs.get(name)
-        if p is None or p.poll() is not None:
-            return
+        if p is not None:
+            _terminate([p], grace)
+
+    def stop_all(self, grace: float = 10.0) -> None:
+        """All at once: each shutdown (a server's link and engine close, about a second) overlaps
+        the others' instead of adding to them."""
+        _terminate(list(self.procs.values()), grace)
+
+
+def _terminate(procs: list[subprocess.Popen], grace: float) -> None:
+    """SIGTERM to each live process, then wait for all within ``grace`` s; kill what is left."""
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
         p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in alive:
         try:
-            p.wait(grace)
+            p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(5)
-
-    def stop_all(self, grace: float = 10.0) -> None:
-        """SIGTERM to every live child at once, then wait for all: each shutdown (a server's link
-        and engine close, about a second) overlaps the others' instead of adding to them."""
-        alive = [p for p in self.procs.values() if p.poll() is None]
-        for p in alive:
-            p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for p in alive:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
