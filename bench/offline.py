@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from mpc import run_parties
+from mpc.launcher import run_parties
 from net.channel import KIND_OBJECT, NO_LINK
 
 from . import progress

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from mpc import run_parties
+from mpc.launcher import run_parties
 from mpc.crypten_compat import crypten
 from protocols.compare import ge, ge_ratio, select
 from protocols.division import divide, reciprocal

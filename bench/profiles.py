@@ -17,7 +17,7 @@ fresh network namespace whose loopback carries ``netem delay <one-way> rate <ban
 both the server<->server and the dealer traffic are shaped). This machine's kernel has no
 netem (``tc qdisc add ... netem`` fails with "Specified qdisc kind is unknown"); the probe
 below detects that at run time in a throwaway namespace, removes the namespace again, and the
-benchmark falls back to the transport's own link emulation (``mpc.LinkProfile``, applied by
+benchmark falls back to the transport's own link emulation (``net.link.LinkProfile``, applied by
 each receiver as a FIFO link) on the server link and on the dealer link. Reports name the
 method that was used and why.
 

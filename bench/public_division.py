@@ -58,7 +58,7 @@ def _program(party, divisors, share):
 
 
 def measure(n: int, offline: str, seed: int, link=NO_LINK) -> list[dict]:
-    from mpc import run_parties
+    from mpc.launcher import run_parties
 
     rng = np.random.default_rng(seed)
     bits = rng.integers(1, 62, size=n)

@@ -17,7 +17,7 @@ Runs (``--runs``):
   profile, a link run (prefetched, link applied). Closest to the paper's online/offline split,
   three times the work.
 
-The link is emulated by the transport (``mpc.LinkProfile``): this machine's kernel has no
+The link is emulated by the transport (``net.link.LinkProfile``): this machine's kernel has no
 netem. The analytic LAN time of a step is rounds x one-way latency + bytes per direction x 8 /
 bandwidth + seconds of a run without emulated link (``bench.profiles``).
 
@@ -33,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from mpc import run_parties
+from mpc.launcher import run_parties
 from mpc.crypten_compat import crypten
 from protocols import backend as B
 from protocols.robust_aggregation import (brace_sign, check_thresholds, fedseca, quantile_thresholds)
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         compute = offline.summarize_steps(meters)   # a loopback run is the compute run
     rows = _rows(meters, compute)
     result = {"machine": machine_info(), "spec": spec, "profile": profile.to_json(), "runs": args.runs,
-              "link": "transport emulation (mpc.LinkProfile)" if link is not None else "loopback",
+              "link": "transport emulation (net.link.LinkProfile)" if link is not None else "loopback",
               "wall_s": wall, "steps": rows,
               "peak_rss_bytes": [v["report"]["peak_rss_bytes"] for v in values]}
     if spec["check"]:

@@ -28,7 +28,7 @@ import argparse
 
 import torch
 
-from mpc import run_parties
+from mpc.launcher import run_parties
 from mpc.crypten_compat import crypten
 from protocols.starfish import num_selected, select_rounds
 from protocols.starfish.round_selection import LINK_PROFILES as PROFILES

@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from mpc import run_parties
+from mpc.launcher import run_parties
 from mpc.crypten_compat import crypten
 from net.channel import NO_LINK
 from protocols.compare import ge

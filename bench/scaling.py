@@ -7,7 +7,7 @@ on T (and TD on n). Every grid point is one two-party session on a synthetic his
 (``bench/synthetic.py``), dealer material prefetched per step, no emulated link: *seconds* are
 online compute on loopback. Then, for every profile of ``--profiles`` (default lan,wan), the same
 session runs again with the profile applied to the server link and the dealer link by the
-transport's emulation (``mpc.LinkProfile``; one process measures several profiles, so the netem
+transport's emulation (``net.link.LinkProfile``; one process measures several profiles, so the netem
 re-execution of ``steps``/``unlearning`` is not used here), reported beside the analytic time
 (rounds x latency + bytes per direction / bandwidth + compute, ``bench/profiles.py``). Three
 one-dimensional grids around a base point; PNG plots (bytes, rounds, compute seconds and the

@@ -4,7 +4,7 @@ Why a harness: to show that the secure path equals its plaintext twin, the lab's
 history is split into additive shares exactly as clients would upload them (updates, norms
 and thresholds encoded in fixed point, share 0 from a CSPRNG), each share set is written to
 that server's durable ShareStore in its own process, and ``protocols.starfish.run_stage2``
-runs on both under ``mpc.run_parties`` (TLS, dealer). Each server only ever receives its
+runs on both under ``mpc.launcher.run_parties`` (TLS, dealer). Each server only ever receives its
 own shares (``party_args``).
 
 Simulation shortcut, for this harness only: the remaining clients that Stage II asks for
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from common import encoding
-from mpc import run_parties
+from mpc.launcher import run_parties
 from net.channel import NO_LINK
 from common.prg import Prg, new_seed
 from common.sharing import share

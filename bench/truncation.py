@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mpc import run_parties
+from mpc.launcher import run_parties
 from mpc.crypten_compat import observe_truncations
 from protocols.starfish import StarfishParams, run_stage2
 

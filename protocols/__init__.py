@@ -1,7 +1,7 @@
 """Secure building blocks on CrypTen tensors, each with a plaintext twin behind the same call.
 
 Pass torch tensors to run the plaintext twin, CrypTen MPCTensors to run the two-party protocol
-(inside a party function started by :func:`mpc.run_parties`). See docs/protocols.md for the
+(inside a party function started by :func:`mpc.launcher.run_parties`). See docs/protocols.md for the
 rounds, bytes and leakage of every primitive.
 """
 

@@ -14,7 +14,7 @@ import argparse
 import numpy as np
 
 from common import encoding, sharing
-from mpc import run_parties
+from mpc.launcher import run_parties
 
 
 def _servers(party, x_shares, y_shares):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpc import run_parties
+from mpc.launcher import run_parties
 from tests.helpers import crypten_conformance_programs as programs
 
 pytestmark = pytest.mark.timeout(600)

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from mpc import PartyError, run_parties
+from mpc.launcher import PartyError, run_parties
 from tests.helpers.ring_shares import HI, LO, recon, split
 
 pytestmark = pytest.mark.timeout(600)

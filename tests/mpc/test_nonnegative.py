@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests.helpers import parties
-from mpc import bitplanes, correlations, run_parties
+from mpc import bitplanes, correlations
+from mpc.launcher import run_parties
 from common.prg import new_seed
 
 RNG = np.random.default_rng(7)

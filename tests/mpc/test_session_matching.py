@@ -18,7 +18,7 @@ import pytest
 from net import channel as chmod
 from common import encoding, sharing
 from net import peer_accept, tls
-from mpc import run_parties
+from mpc.launcher import run_parties
 from net.channel import KIND_OBJECT, KIND_TICKET, Channel, ChannelError, HandshakeError, PeerTimeout
 from mpc.launcher import ephemeral_keys
 from net.metering import Meter

@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import parties
 from net import channel as chmod
-from mpc import run_parties
+from mpc.launcher import run_parties
 from net import tls
 from net.channel import Channel, HandshakeError, LinkProfile, PeerDisconnected, PeerTimeout
 from mpc.launcher import PartyError, ephemeral_keys

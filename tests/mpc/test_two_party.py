@@ -5,7 +5,7 @@ import pytest
 
 from tests.helpers import parties
 from common import encoding, sharing
-from mpc import run_parties
+from mpc.launcher import run_parties
 
 FIXED_POINT_ERR = 2.0**-15
 

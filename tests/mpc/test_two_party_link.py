@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from mpc import PartyError, run_parties
+from mpc.launcher import PartyError, run_parties
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -38,7 +38,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import mpc.launcher as launcher
-from mpc import LinkProfile, PartyError, run_parties
+from net.link import LinkProfile
+from mpc.launcher import PartyError, run_parties
 from mpc.crypten_compat import crypten
 from mpc.party_pair import PartyPair
 from tests.helpers.ring_shares import HI, LO, MASKS, recon, split

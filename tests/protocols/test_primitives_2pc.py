@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpc import PartyError
+from mpc.launcher import PartyError
 from mpc.crypten_compat import crypten
 from mpc.party_pair import PartyPair
 from protocols import backend

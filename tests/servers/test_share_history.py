@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpc import run_parties
+from mpc.launcher import run_parties
 from common import sharing
 from protocols.starfish.ports import History, RoundRecord
 from servers.store import share_store as ss

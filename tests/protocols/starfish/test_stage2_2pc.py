@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import secure_programs
-from mpc import run_parties
+from mpc.launcher import run_parties
 from protocols.starfish import check_thresholds, determine_thresholds, estimate_updates, select_rounds, \
     selection_keys
 

@@ -89,7 +89,7 @@ def lab_2pc_program(party, inp: dict) -> dict:
 
 
 def test_sub_protocols_two_party_match_plaintext():
-    from mpc import run_parties
+    from mpc.launcher import run_parties
 
     rng = np.random.default_rng(5)
     lsb = 2.0**-16
