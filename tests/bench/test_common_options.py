@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-import mpc
+import mpc.launcher
 from bench import batched_training, common_options, lab, public_division, primitives, range_check
 from bench import robust_aggregation, robust_lab, rs_switch, runtime, truncation
 from starfish.cli import build_parser
@@ -111,7 +111,7 @@ class _Stop(Exception):
     (primitives, primitives, ["--primitives", "ge", "--sizes", "8", "--profile", "none"]),
     (rs_switch, rs_switch, ["--T", "4"]),
     (truncation, truncation, ["--config", "tiny"]),
-    (public_division, mpc, ["--n", "8", "--profile", "none"]),     # imports run_parties when it runs
+    (public_division, mpc.launcher, ["--n", "8", "--profile", "none"]),     # imports run_parties when it runs
 ], ids=["runtime", "primitives", "rs-switch", "truncation", "public-division"])
 def test_offline_two_party_reaches_run_parties_without_a_dealer_plan(module, where, argv, monkeypatch, tmp_path):
     # the engine's start alone takes longer than these tests may (tests/mpc run it in both modes)
