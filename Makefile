@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet --no-deps crypten==0.4.1
-	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet -e '.[dev,scale]'
 	touch $(STAMP)
 
 demo: setup

@@ -63,6 +63,7 @@ class _Session:
     seeds: tuple[bytes, bytes] = field(default_factory=lambda: (new_seed(), new_seed()))
     handed: set = field(default_factory=set)
     created: float = field(default_factory=time.monotonic)
+    pair: int | None = None      # None: the two servers; k: worker pair k (issue 30)
 
 
 class DealerServer:
@@ -98,7 +99,7 @@ class DealerServer:
     def _serve_connection(self, sock: socket.socket) -> None:
         limit = {} if self._max_frame is None else {"max_frame": self._max_frame}
         try:
-            ch = Channel.wrap_accepted(sock, self._ctx, lambda n: n in tls.PARTY_NAMES, kind="offline",
+            ch = Channel.wrap_accepted(sock, self._ctx, _serves, kind="offline",
                                        timeout=self._timeout, **limit, **self.admission.channel_options())
         except ChannelError as exc:
             self.admission.handshake_failed(exc)  # anyone can cause this: rate-limited, not a warning
@@ -127,13 +128,14 @@ class DealerServer:
         sid = hello.get("session")
         if hello["op"] != "hello" or rank not in (0, 1) or not isinstance(sid, bytes) or len(sid) != 16:
             raise correlations.RequestError("expected hello with a 16-byte session id and rank 0/1")
-        if ch.peer != tls.PARTY_NAMES[rank]:
-            raise correlations.RequestError(f"{ch.peer} may not act as rank {rank}")
+        pair = _pair_of(ch.peer, rank)
         with self._lock:
             now = time.monotonic()
             for stale in [k for k, v in self._sessions.items() if now - v.created > SESSION_TTL]:
                 del self._sessions[stale]  # a long-running dealer must not keep dead sessions
-            sess = self._sessions.setdefault(sid, _Session())
+            sess = self._sessions.setdefault(sid, _Session(pair=pair))
+            if sess.pair != pair:   # a session's two seeds go to one pair: server0-w1 with server1-w1
+                raise correlations.RequestError(f"{ch.peer} may not join a session of another pair")
             if rank in sess.handed:
                 raise correlations.RequestError(f"seed of rank {rank} already handed out for this session")
             sess.handed.add(rank)
@@ -163,6 +165,20 @@ class DealerServer:
         finally:
             with self._lock:
                 self._sessions.pop(sid, None)
+
+
+def _serves(name: str) -> bool:
+    """The dealer serves the two servers and their workers (``net.tls.party_name``)."""
+    return name in tls.PARTY_NAMES or tls.worker_of(name) is not None
+
+
+def _pair_of(peer: str, rank: int) -> int | None:
+    """The pair a hello's certificate belongs to (None: the servers themselves, k: workers k),
+    refusing a certificate that may not act as ``rank``."""
+    worker = tls.worker_of(peer)
+    if peer != tls.PARTY_NAMES[rank] and (worker is None or worker[0] != rank):
+        raise correlations.RequestError(f"{peer} may not act as rank {rank}")
+    return None if worker is None else worker[1]
 
 
 def _bytes(t) -> memoryview:

@@ -143,6 +143,7 @@ def open_party(
     truncation: str = "wrapfree",
     ticket: bytes | None = None,
     engine_pool=None,
+    worker: int | None = None,
 ) -> Party:
     """Join a two-party session as ``rank``; party 1 accepts, party 0 connects.
 
@@ -162,13 +163,18 @@ def open_party(
     ``engine_pool`` (two-party mode): borrow the engine from this ``mpc.spu_engine.EnginePool``
     (both parties must pass one; ``shared_engine_pool()`` in a daemon) instead of starting one for
     this session; ``Party.close`` gives it back.
+
+    ``worker`` (a server run as a coordinator and workers, issue 30): join as worker ``k`` of
+    server ``rank`` (certificate ``server<rank>-w<k>``) and accept only the other server's worker
+    ``k`` as the peer (``net.tls.party_name``); the dealer, if any, hands this pair its own seeds.
     """
     mode = None if insecure_tfp else OfflineMode.of(offline)
     if truncation not in ("wrapfree", "local"):
         raise ValueError(f"truncation must be 'wrapfree' or 'local', not {truncation!r}")
     provider = TFP if mode is None else _PROVIDERS[mode]
     wire_ticket = check_ticket(ticket)
-    ident = tls.identity(keys_dir, tls.PARTY_NAMES[rank])
+    ident = tls.identity(keys_dir, tls.party_name(rank, worker))
+    peer = tls.party_name(1 - rank, worker)
     meter = metering.Meter()
     metering.set_current(meter)
     ch: Channel | None = None
@@ -179,12 +185,12 @@ def open_party(
             if rank == 1:
                 if peer_listener is None:
                     raise ValueError("party 1 needs a listening socket")
-                ch = accept_peer(peer_listener, tls.server_context(ident), tls.PARTY_NAMES[0], wire_ticket,
+                ch = accept_peer(peer_listener, tls.server_context(ident), peer, wire_ticket,
                                  kind="online", meter=meter, link=link, timeout=timeout)
             else:
                 if peer_address is None:
                     raise ValueError("party 0 needs the address of party 1")
-                ch = connect_peer(peer_address, tls.client_context(ident), tls.PARTY_NAMES[1], wire_ticket,
+                ch = connect_peer(peer_address, tls.client_context(ident), peer, wire_ticket,
                                   kind="online", meter=meter, link=link, timeout=timeout)
             if rank == 0:
                 session_id = os.urandom(16)

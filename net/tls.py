@@ -36,6 +36,8 @@ from net.ca import CA_CERT_FILE, CA_KEY_FILE, CRL_FILE
 CA_NAME = _ca.CA_NAME
 PARTY_NAMES = ("server0", "server1")
 DEALER_NAME = "dealer"
+#: at most this many workers per server (``[deployment] workers``; issue 30)
+MAX_WORKERS = 64
 ADMIN_NAME = "admin"
 #: default certificate lifetimes (days). Services are few and re-keyed by the operator;
 #: client and admin certificates are many, handed out, and more likely to leak.
@@ -94,8 +96,36 @@ class MissingCredential(FileNotFoundError):
         self.path = path
 
 
+def party_name(rank: int, worker: int | None = None) -> str:
+    """The certificate name of server ``rank`` (0 or 1), or of its worker ``worker``.
+
+    Worker k of server 0 and worker k of server 1 form pair k: they compute coordinate shard k
+    over their own link and accept only each other (``server0-w3`` talks to ``server1-w3``,
+    never to ``server1-w2`` nor to ``server1``), so a worker of one pair cannot join another.
+    """
+    if rank not in (0, 1):
+        raise ValueError(f"rank must be 0 or 1, not {rank!r}")
+    if worker is None:
+        return PARTY_NAMES[rank]
+    if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < MAX_WORKERS:
+        raise ValueError(f"a worker index is 0..{MAX_WORKERS - 1}, not {worker!r}")
+    return f"{PARTY_NAMES[rank]}-w{worker}"
+
+
+def worker_of(name: str) -> tuple[int, int] | None:
+    """(rank, worker) of a worker certificate name such as ``server1-w3``; None for any other."""
+    for rank in (0, 1):
+        prefix = f"{PARTY_NAMES[rank]}-w"
+        if name.startswith(prefix) and name[len(prefix):].isdigit():
+            k = int(name[len(prefix):])
+            if str(k) == name[len(prefix):] and k < MAX_WORKERS:
+                return rank, k
+    return None
+
+
 def default_days(name: str) -> int:
-    return SERVICE_DAYS if name in (*PARTY_NAMES, DEALER_NAME) else USER_DAYS
+    service = name in (*PARTY_NAMES, DEALER_NAME) or worker_of(name) is not None
+    return SERVICE_DAYS if service else USER_DAYS
 
 
 def issue(keys_dir: str | os.PathLike, name: str, *, ca_dir: str | os.PathLike | None = None,
@@ -108,15 +138,18 @@ def issue(keys_dir: str | os.PathLike, name: str, *, ca_dir: str | os.PathLike |
 
 
 def init_keys(keys_dir: str | os.PathLike, clients: int = 0, *,
-              ca_dir: str | os.PathLike | None = None) -> list[str]:
+              ca_dir: str | os.PathLike | None = None, workers: int = 1) -> list[str]:
     """A new CA and every certificate a deployment needs; refuses to overwrite a CA.
 
     Deployments pass ``ca_dir`` (``starfish keys init``, ``init-deployment``), so ``keys_dir``
     gets certificates, keys, ``ca.pem`` and ``crl.pem`` only. ``ca_dir=None`` writes ``ca.key``
     into ``keys_dir`` too: for throw-away test keys only (``mpc.launcher`` deletes it or keeps
-    it for tests that issue more); no daemon starts on such a directory.
+    it for tests that issue more); no daemon starts on such a directory. ``workers`` > 1 (a
+    server as a coordinator and K workers) adds ``server0-w0`` .. ``server1-w{K-1}``.
     """
     names = [*PARTY_NAMES, DEALER_NAME, ADMIN_NAME] + [f"client-{i}" for i in range(clients)]
+    if workers > 1:
+        names += [party_name(r, k) for k in range(workers) for r in (0, 1)]
     ca_d = Path(keys_dir if ca_dir is None else ca_dir)
     for p in [ca_d / CA_KEY_FILE] + [Path(keys_dir) / f"{n}.pem" for n in names]:
         if p.exists():  # checked before anything is written: no half-made deployment

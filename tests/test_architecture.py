@@ -33,11 +33,12 @@ ALLOWED = {
 }
 
 #: sub-packages of ``servers`` -> the sub-packages they may import: the store at the bottom,
-#: then what is computed on shares, then the daemon
+#: then what is computed on shares, then the workers that compute it shard by shard, then the daemon
 SERVER_LAYERS = {
     "servers.store": set(),
     "servers.secure": {"servers.store"},
-    "servers.daemon": {"servers.store", "servers.secure"},
+    "servers.workers": {"servers.store", "servers.secure"},
+    "servers.daemon": {"servers.store", "servers.secure", "servers.workers"},
     "servers.dealer_daemon": set(),
 }
 

@@ -1,0 +1,131 @@
+"""One worker of one server: the shares of one coordinate shard and the 2PC that computes on them.
+
+Why a worker is its own process with its own session: CrypTen's communicator is process-wide (one
+session per process), and the point of workers is that shard k's memory and compute live
+apart from the coordinator's. Worker k of server ``rank`` authenticates as ``server<rank>-w<k>``
+and accepts only ``server<1-rank>-w<k>`` (``net.tls.party_name``), over its own TLS 1.3 link,
+with its own dealer stream (``mpc.dealer``: a session's seeds go to one pair only) or its own
+two-party engine (kept for the worker's lifetime, ``mpc.session.shared_engine_pool``).
+
+This class is the actor's body and knows nothing of Ray (``worker_group`` makes it a Ray actor in
+the server's own cluster), so the same code runs, and is tested, as a plain process.
+
+What a worker holds: named int64 ring shares of its shard (``put``/``drop``), in memory; what
+leaves it: what its coordinator asks for, which is either a share (this server's, never the
+peer's) or a value the pair opened on purpose (a program's documented output).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from mpc.session import open_party, shared_engine_pool
+from net import tls
+
+__all__ = ["ShardWorker", "WorkerError"]
+
+
+class WorkerError(RuntimeError):
+    """A worker was asked for something it cannot do (no session, an unknown share)."""
+
+
+class ShardWorker:
+    """Worker ``worker`` of server ``rank`` (see the module docstring).
+
+    ``keys_dir`` holds this worker's certificate and key (``server<rank>-w<k>.pem``/``.key``), the
+    CA certificate and CRL; ``offline`` is the deployment's mode and ``dealer_address`` the
+    dealer's endpoint in dealer mode. Server 1's workers listen for their peer on
+    ``listen_host`` (port ``listen_port``; 0: any free one), reported by ``address``.
+    """
+
+    def __init__(self, rank: int, worker: int, keys_dir: str, *, offline: str,
+                 dealer_address: tuple[str, int] | None = None, listen_host: str = "127.0.0.1",
+                 listen_port: int = 0, timeout: float = 120.0) -> None:
+        self.name = tls.party_name(rank, worker)
+        tls.identity(keys_dir, self.name)       # fail at start, naming the missing file
+        self.rank, self.worker, self.keys_dir = rank, worker, keys_dir
+        self.offline, self.dealer_address, self.timeout = offline, dealer_address, timeout
+        self._listener: socket.socket | None = None
+        if rank == 1:
+            self._listener = socket.create_server((listen_host, listen_port))
+        self._shares: dict[str, np.ndarray] = {}
+        self._party: Any = None
+        self._ticket: bytes | None = None
+        self._started = time.time()
+
+    # ------------------------------------------------------------------ the pair's link
+    def address(self) -> tuple[str, int] | None:
+        """Where server 0's worker of this pair connects (server 1's workers; None for server 0's)."""
+        if self._listener is None:
+            return None
+        host, port = self._listener.getsockname()[:2]
+        return host, port
+
+    def open(self, ticket: bytes, peer_address: tuple[str, int] | None = None) -> str:
+        """Join the pair's 2PC session named ``ticket``; returns the session id (both sides equal)."""
+        if self._party is not None:
+            raise WorkerError(f"{self.name} is already in session {self._ticket!r}: close it first")
+        source: dict[str, Any] = {"offline": self.offline}
+        if self.offline == "dealer":
+            source["dealer_address"] = tuple(self.dealer_address) if self.dealer_address else None
+        else:
+            source["engine_pool"] = shared_engine_pool()
+        self._party = open_party(self.rank, self.keys_dir, worker=self.worker,
+                                 peer_listener=self._listener,
+                                 peer_address=tuple(peer_address) if peer_address else None,
+                                 ticket=ticket, timeout=self.timeout, **source)
+        self._ticket = ticket
+        return self._party.extras["session_id"]
+
+    def close(self) -> None:
+        """Leave the pair's session (nothing else: the shares stay until dropped)."""
+        party, self._party, self._ticket = self._party, None, None
+        if party is not None:
+            party.close()
+
+    # ------------------------------------------------------------------ shares
+    def put(self, name: str, share: np.ndarray) -> int:
+        """Keep this server's share ``share`` of shard values under ``name``; returns its bytes."""
+        arr = np.asarray(share)
+        if arr.dtype != np.int64:
+            raise WorkerError(f"{self.name}: a share is int64 ring elements, not {arr.dtype}")
+        # a copy of our own: what Ray hands over is a read-only view of its object store, which
+        # ``drop`` could not zero
+        self._shares[name] = np.array(arr, order="C", copy=True)
+        return arr.nbytes
+
+    def drop(self, names: list[str]) -> int:
+        """Forget the named shares (zeroed first: erasure must not leave them in freed memory)."""
+        gone = 0
+        for n in names:
+            arr = self._shares.pop(n, None)
+            if arr is not None:
+                arr.fill(0)
+                gone += 1
+        return gone
+
+    def share(self, name: str) -> np.ndarray:
+        try:
+            return self._shares[name]
+        except KeyError:
+            raise WorkerError(f"{self.name} holds no share named {name!r}") from None
+
+    # ------------------------------------------------------------------ computing
+    def run(self, program: Callable[..., Any], *args: Any) -> Any:
+        """``program(party, worker, *args)`` in the pair's open session (a module-level function,
+        run by both workers of the pair in the same order, as ``mpc.launcher.run_parties`` does)."""
+        if self._party is None:
+            raise WorkerError(f"{self.name} has no open session: open one first")
+        return program(self._party, self, *args)
+
+    def state(self) -> dict[str, Any]:
+        """What ``starfish status`` shows of a worker."""
+        return {"name": self.name, "pid": os.getpid(), "session": self._ticket is not None,
+                "shares": len(self._shares), "bytes": sum(a.nbytes for a in self._shares.values()),
+                "up_s": round(time.time() - self._started, 1)}

@@ -1,0 +1,124 @@
+"""A server's K workers as Ray actors in that server's own Ray cluster (issue 30).
+
+Why Ray, and why one cluster per server: a server that outgrows one machine needs processes on
+other machines, placed, started, restarted and reached by an existing engine, not a home-made
+one; Ray does this (``ray_address`` joins a cluster the operator runs across machines, by
+default a local one is started). Never one cluster for both servers: a cluster's head, object
+store and logs are one control plane, and the two servers are separate trust domains (each
+server's shares must stay under its own operator). So each coordinator (the daemon) connects
+only to its own cluster, under the namespace ``starfish-server<rank>``, and the pairs' 2PC
+traffic runs over the workers' own TLS links (``shard_worker``), never through Ray.
+
+Ray is an optional dependency (``pip install '.[scale]'``; ``make setup`` installs it): a
+deployment with ``workers = 1`` never imports it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .shard_worker import ShardWorker, WorkerError
+from .shards import shard_bounds, split
+
+__all__ = ["WorkerGroup", "ray_missing_message"]
+
+
+def ray_missing_message() -> str:
+    return ("a server with workers > 1 runs them on Ray, which is not installed: "
+            "`pip install '.[scale]'` (or `make setup`) installs it")
+
+
+def _ray():
+    try:
+        import ray  # noqa: PLC0415  (optional: only a server with workers > 1 needs it)
+    except ImportError:
+        raise RuntimeError(ray_missing_message()) from None
+    return ray
+
+
+class WorkerGroup:
+    """Server ``rank``'s ``workers`` workers, worker k owning coordinate shard k of ``dim``.
+
+    ``ray_address``: join that cluster (it must be this server's own); None starts a local one
+    with its files under ``ray_dir``. ``worker_options``: ``ShardWorker`` keywords (offline mode,
+    dealer address, listen host). ``cpus_per_worker``: what each actor reserves in the cluster.
+    """
+
+    def __init__(self, rank: int, keys_dir: str | os.PathLike, workers: int, dim: int, *,
+                 ray_address: str | None = None, ray_dir: str | os.PathLike | None = None,
+                 cpus_per_worker: float = 1.0, **worker_options: Any) -> None:
+        ray = self._ray = _ray()
+        self.rank, self.workers = rank, workers
+        self.bounds = shard_bounds(dim, workers)
+        if not ray.is_initialized():
+            local = {} if ray_address else {"num_cpus": max(os.cpu_count() or 1, int(workers * cpus_per_worker)),
+                                            "_temp_dir": str(ray_dir) if ray_dir else None}
+            ray.init(address=ray_address, namespace=f"starfish-server{rank}", include_dashboard=False,
+                     log_to_driver=False, configure_logging=False, **local)
+        actor = ray.remote(ShardWorker).options(num_cpus=cpus_per_worker, max_restarts=0)
+        self.actors = [actor.remote(rank, k, str(keys_dir), **worker_options) for k in range(workers)]
+        self.addresses = self._all("address")     # waits until every worker is up
+
+    def _all(self, method: str, *per_worker: Sequence[Any], common: tuple = ()) -> list[Any]:
+        """``method`` on every worker at once (worker k gets the k-th item of each ``per_worker``)."""
+        refs = [getattr(a, method).remote(*(p[k] for p in per_worker), *common)
+                for k, a in enumerate(self.actors)]
+        out, failures = [], []
+        for k, ref in enumerate(refs):   # every worker's answer, so one failure names all of them
+            try:
+                out.append(self._ray.get(ref))
+            except self._ray.exceptions.RayTaskError as exc:
+                cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+                failures.append(f"server{self.rank}-w{k}: {type(cause).__name__}: "
+                                f"{str(cause).strip().splitlines()[-1][:300] if str(cause).strip() else ''}")
+            except self._ray.exceptions.RayActorError as exc:
+                failures.append(f"server{self.rank}-w{k} is gone ({type(exc).__name__}); "
+                                f"the server restarts its workers on the next job run or round")
+        if failures:
+            raise WorkerError(f"{method} failed on {len(failures)} of {self.workers} workers: " + "; ".join(failures))
+        return out
+
+    def open(self, ticket: bytes, peer_addresses: Sequence[tuple[str, int] | None] | None = None) -> list[str]:
+        """Every pair's session ``ticket`` (server 0 passes server 1's ``addresses``)."""
+        peers = list(peer_addresses) if peer_addresses is not None else [None] * self.workers
+        if len(peers) != self.workers:
+            raise ValueError(f"{len(peers)} peer addresses for {self.workers} workers")
+        return self._all("open", [ticket] * self.workers, peers)
+
+    def close(self) -> None:
+        self._all("close")
+
+    def scatter(self, name: str, share: np.ndarray) -> None:
+        """This server's share of a (…, dim) value, its shard k to worker k."""
+        self._all("put", [name] * self.workers, split(share, self.bounds))
+
+    def drop(self, names: list[str]) -> list[int]:
+        return self._all("drop", common=(list(names),))
+
+    def run(self, program: Callable[..., Any], *args: Any) -> list[Any]:
+        """``program(party, worker, *args)`` on every pair at once; one result per shard."""
+        return self._all("run", common=(program, *args))
+
+    def state(self) -> list[dict[str, Any]]:
+        """Each worker's state, or the reason it cannot answer (a dead worker)."""
+        out = []
+        for k, a in enumerate(self.actors):
+            try:
+                out.append(self._ray.get(a.state.remote(), timeout=10))
+            except Exception as exc:  # noqa: BLE001 - a status must show a dead worker, not fail
+                out.append({"name": f"server{self.rank}-w{k}", "error": str(exc).splitlines()[0][:200]})
+        return out
+
+    def shutdown(self) -> None:
+        """End the workers (and the local cluster this group started)."""
+        for a in self.actors:
+            try:
+                self._ray.kill(a)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.actors = []
+        self._ray.shutdown()

@@ -1,0 +1,125 @@
+"""A server as a coordinator and K workers on its own Ray cluster (issue 30): shards, worker
+certificates, and one sharded computation (the FL round's exact aggregation) against numpy.
+
+Each coordinator runs in its own process with its own local Ray cluster (never one for both
+servers); worker k of server 0 and worker k of server 1 compute shard k over their own TLS link.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from net import tls
+from servers.workers.shards import join, shard_bounds, split
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# ------------------------------------------------------------------ the shard plan
+@given(d=st.integers(1, 5000), k=st.integers(1, 64))
+def test_shards_are_contiguous_balanced_and_cover_every_coordinate(d, k):
+    if k > d:
+        with pytest.raises(ValueError, match="number of shards"):
+            shard_bounds(d, k)
+        return
+    b = shard_bounds(d, k)
+    assert len(b) == k and b[0][0] == 0 and b[-1][1] == d
+    assert all(b[i][1] == b[i + 1][0] for i in range(k - 1))
+    sizes = [hi - lo for lo, hi in b]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+    assert sizes == sorted(sizes, reverse=True)
+    x = np.arange(2 * d).reshape(2, d)
+    assert np.array_equal(join(split(x, b)), x)
+
+
+@pytest.mark.parametrize("d, k", [(0, 1), (5, 0), (3, 4), (True, 1), (5, 2.0)])
+def test_a_plan_outside_its_domain_is_refused(d, k):
+    with pytest.raises(ValueError):
+        shard_bounds(d, k)
+
+
+# ------------------------------------------------------------------ worker names
+@given(rank=st.integers(0, 1), k=st.integers(0, tls.MAX_WORKERS - 1))
+def test_worker_names_round_trip_and_never_equal_a_servers(rank, k):
+    name = tls.party_name(rank, k)
+    assert tls.worker_of(name) == (rank, k)
+    assert name not in tls.PARTY_NAMES and tls.default_days(name) == tls.SERVICE_DAYS
+
+
+@pytest.mark.parametrize("name", ["server0", "server1", "dealer", "client-3", "server0-w", "server0-w01",
+                                  "server2-w1", "server0-w64", "server0-w-1", "xserver0-w1"])
+def test_other_names_are_not_workers(name):
+    assert tls.worker_of(name) is None
+
+
+# ------------------------------------------------------------------ two servers, K workers each
+def _run(tmp_path, workers, counts, updates, swap_peers=False, offline="two-party"):
+    pytest.importorskip("ray")
+    from tests.helpers.worker_coordinators import aggregate
+
+    keys = tmp_path / "keys"
+    tls.init_keys(keys, workers=workers)
+    ring = np.round(updates * 2**16).astype(np.int64)
+    rng = np.random.default_rng(7)
+    s0 = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=ring.shape, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        s1 = ring - s0
+    ctx = mp.get_context("spawn")
+    peer0, peer1 = ctx.Pipe()
+    results = [ctx.Pipe(duplex=False) for _ in (0, 1)]
+    options = {"offline": offline, "timeout": 10.0 if swap_peers else 120.0}
+    # Ray's socket paths must stay under 108 bytes: its directories go under a short /tmp name
+    ray_dirs = [tempfile.mkdtemp(prefix=f"sfray{r}-") for r in (0, 1)]
+    procs = [ctx.Process(target=aggregate, args=(r, str(keys), ray_dirs[r], workers,
+                                                 list(s), counts, options, swap_peers, c, results[r][1]))
+             for r, s, c in ((0, s0, peer0), (1, s1, peer1))]
+    try:
+        for p in procs:
+            p.start()
+        out = [c.recv() if c.poll(240) else ("error", "no answer in 240 s") for c, _ in results]
+        for p in procs:
+            p.join(60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for d in ray_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+    return ring, out
+
+
+def test_two_workers_per_server_aggregate_each_shard_exactly(tmp_path):
+    rng = np.random.default_rng(3)
+    n, d, workers = 3, 1001, 2
+    updates = rng.normal(size=(n, d))
+    counts = [5, 17, 2]
+    ring, out = _run(tmp_path, workers, counts, updates)
+    assert all(o[0] == "ok" for o in out), out
+    with np.errstate(over="ignore"):
+        want = sum(np.int64(c) * ring[j] for j, c in enumerate(counts))
+    for rank, o in enumerate(out):
+        assert np.array_equal(o[1], want)           # both servers open the same exact sum
+        assert o[3] == shard_bounds(d, workers)
+        assert [s["name"] for s in o[2]] == [f"server{rank}-w{k}" for k in range(workers)]
+        assert [s["shares"] for s in o[2]] == [n] * workers
+        assert o[4] == [n] * workers                # every shard's shares dropped
+    # the workers are separate processes, and each server's are in its own cluster
+    pids = [s["pid"] for o in out for s in o[2]]
+    assert len(set(pids)) == 2 * workers
+
+
+def test_a_worker_of_another_pair_is_refused(tmp_path):
+    updates = np.ones((1, 10))
+    _, out = _run(tmp_path, 2, [1], updates, swap_peers=True)
+    assert all(o[0] == "error" for o in out), out
+    # server 0's worker k reached server 1's worker k+1 and refused its certificate; server 1's
+    # workers saw no connection of their own pair (the TLS handshake pins the pair's name)
+    assert "not valid for 'server1-w0'" in out[0][1] and "not valid for 'server1-w1'" in out[0][1], out[0]
+    assert "no server0-w0 with this session's ticket" in out[1][1], out[1]
