@@ -110,3 +110,39 @@ def test_dealer_gives_each_seed_once_and_only_to_its_own_server():
         first.close()
     finally:
         server.stop()
+
+
+def test_dealer_gives_a_sessions_seeds_to_one_worker_pair_only():
+    """Workers (issue 30): server0-wk and server1-wk share a session's seeds; a worker of another
+    pair, a server, or a worker acting as the other rank gets nothing."""
+    import os
+
+    from net import tls
+
+    keys, server = _dealer()
+    for name in ("server0-w0", "server1-w0", "server1-w1"):
+        tls.issue(keys, name)
+    try:
+        sid = os.urandom(16)
+        with pytest.raises(C.RequestError, match="server1-w0 may not act as rank 0"):
+            _link(keys, server, "server1-w0", 0, sid)
+        p0 = _link(keys, server, "server0-w0", 0, sid)
+        with pytest.raises(C.RequestError, match="another pair"):
+            _link(keys, server, "server1-w1", 1, sid)
+        with pytest.raises(C.RequestError, match="another pair"):
+            _link(keys, server, "server1", 1, sid)
+        p1 = _link(keys, server, "server1-w0", 1, sid)
+        req = C.make_request("triple", (4,), (4,), "mul")
+        a0, b0, c0 = C.party0_shares(req, p0.seed, 0)
+        a1, b1, c1 = C.party1_shares(req, p1.seed, 0, p1.get(0, req))
+        assert torch.equal(c0 + c1, (a0 + a1) * (b0 + b1))
+        p1.close()
+        p0.close()
+        # and the servers' own sessions stay theirs: a worker cannot join one
+        sid2 = os.urandom(16)
+        s0 = _link(keys, server, "server0", 0, sid2)
+        with pytest.raises(C.RequestError, match="another pair"):
+            _link(keys, server, "server1-w0", 1, sid2)
+        s0.close()
+    finally:
+        server.stop()

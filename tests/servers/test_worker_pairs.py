@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import shutil
 import tempfile
+import threading
 
 import numpy as np
 import pytest
@@ -66,6 +67,14 @@ def _run(tmp_path, workers, counts, updates, swap_peers=False, offline="two-part
 
     keys = tmp_path / "keys"
     tls.init_keys(keys, workers=workers)
+    dealer = None
+    options = {"offline": offline, "timeout": 10.0 if swap_peers else 120.0}
+    if offline == "dealer":     # one dealer for the deployment, each pair its own stream
+        from mpc.dealer import DealerServer
+
+        dealer = DealerServer(tls.identity(keys, tls.DEALER_NAME))
+        threading.Thread(target=dealer.serve_forever, daemon=True).start()
+        options["dealer_address"] = dealer.address
     ring = np.round(updates * 2**16).astype(np.int64)
     rng = np.random.default_rng(7)
     s0 = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=ring.shape, dtype=np.int64)
@@ -74,7 +83,6 @@ def _run(tmp_path, workers, counts, updates, swap_peers=False, offline="two-part
     ctx = mp.get_context("spawn")
     peer0, peer1 = ctx.Pipe()
     results = [ctx.Pipe(duplex=False) for _ in (0, 1)]
-    options = {"offline": offline, "timeout": 10.0 if swap_peers else 120.0}
     # Ray's socket paths must stay under 108 bytes: its directories go under a short /tmp name
     ray_dirs = [tempfile.mkdtemp(prefix=f"sfray{r}-") for r in (0, 1)]
     procs = [ctx.Process(target=aggregate, args=(r, str(keys), ray_dirs[r], workers,
@@ -92,15 +100,18 @@ def _run(tmp_path, workers, counts, updates, swap_peers=False, offline="two-part
                 p.kill()
         for d in ray_dirs:
             shutil.rmtree(d, ignore_errors=True)
+        if dealer is not None:
+            dealer.stop()
     return ring, out
 
 
-def test_two_workers_per_server_aggregate_each_shard_exactly(tmp_path):
+@pytest.mark.parametrize("offline", ["two-party", "dealer"])
+def test_two_workers_per_server_aggregate_each_shard_exactly(tmp_path, offline):
     rng = np.random.default_rng(3)
     n, d, workers = 3, 1001, 2
     updates = rng.normal(size=(n, d))
     counts = [5, 17, 2]
-    ring, out = _run(tmp_path, workers, counts, updates)
+    ring, out = _run(tmp_path, workers, counts, updates, offline=offline)
     assert all(o[0] == "ok" for o in out), out
     with np.errstate(over="ignore"):
         want = sum(np.int64(c) * ring[j] for j, c in enumerate(counts))
