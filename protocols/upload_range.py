@@ -74,7 +74,8 @@ from mpc.nonnegative import below_power_of_two, nonnegative
 from . import backend as B
 
 __all__ = ["uploads_in_range", "norm_plan", "DEFAULT_BOUND_BITS", "DEFAULT_NORM_BITS",
-           "DEFAULT_NORM_REL_BITS", "DEFAULT_NORM_SLACK", "METHODS"]
+           "DEFAULT_NORM_REL_BITS", "DEFAULT_NORM_SLACK", "METHODS", "shard_chunks", "shard_partials",
+           "verdict_from_partials"]
 
 DEFAULT_BOUND_BITS = 26
 DEFAULT_NORM_BITS = 30
@@ -248,4 +249,87 @@ def uploads_in_range(party: Any, updates: Any, norms: Any = None, deltas: Any = 
         bits = ring.nonneg(torch.cat(verdict_args))
         ok = ring.mul(bits[:n], bits[n:]) if check_norm else bits
         opened = ring.open(ok)
+    return [bool(v) for v in opened.tolist()]
+
+
+# ------------------------------------------------------------------ coordinate shards (issue 30)
+# A server run as a coordinator and K workers checks a round's uploads shard by shard: worker pair
+# k computes, on its coordinates only, each client's window violations and its part of the
+# truncated sum of squares (``shard_partials``); each coordinator adds its workers' shares of
+# these parts locally (additive shares add without communication) and the coordinators decide
+# in one small 2PC (``verdict_from_partials``): the norms' and deltas' windows, m**2, and the
+# same one opened bit per client. The norm plan counts every shard's chunks together
+# (``shard_chunks``), so the argument of the module docstring holds with C the total: each
+# chunk sum <= 2**61, S_t = sum over all shards of floor(p_c / 2**t) <= 2**61 with 2**t >= C.
+# A single shard is the unsharded plan. What crosses shards: two shares per client per shard.
+
+def shard_chunks(sizes: list[int], bound_bits: int = DEFAULT_BOUND_BITS) -> tuple[int, int]:
+    """(total chunks C over the shards of ``sizes`` coordinates, truncation bits t: 2**t >= C)."""
+    total = sum(norm_plan(d, bound_bits)[1] for d in sizes)
+    return total, (total - 1).bit_length() if total > 1 else 0
+
+
+def shard_partials(updates: Any, trunc_bits: int, *, bound_bits: int = DEFAULT_BOUND_BITS,
+                   method: str = "top-bits", precision: int = DEFAULT_PRECISION) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per client, on one shard of its update: (coordinates outside the window, sum over the
+    shard's chunks of floor(chunk sum of squares / 2**trunc_bits)), as int64 ring tensors: this
+    party's shares (``updates`` shared) or the values (the twin). ``trunc_bits``: ``shard_chunks``'s t."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    x, bad = _as_ring(updates, precision)
+    if x.dim() != 2:
+        raise ValueError(f"updates must be (n_clients, d), got shape {tuple(x.shape)}")
+    n, d = x.shape
+    ring = _Ring(B.is_shared(updates))
+    part = _violations(ring, ring.add_public(x.reshape(-1), 1 << bound_bits), bound_bits + 1, method).reshape(n, d)
+    if bad is not None:
+        part = part + bad.long()
+    length, chunks, _ = norm_plan(d, bound_bits)
+    q = ring.square(x.reshape(-1)).reshape(n, d)
+    sums = torch.nn.functional.pad(q, (0, chunks * length - d)).reshape(n, chunks, length).sum(2)
+    if trunc_bits:
+        sums = ring.floor_shift(sums.reshape(-1), trunc_bits).reshape(n, chunks)
+    return part.sum(1), sums.sum(1)
+
+
+def verdict_from_partials(party: Any, counts: Any, squares: Any, trunc_bits: int, norms: Any,
+                          deltas: Any = None, *, bound_bits: int = DEFAULT_BOUND_BITS,
+                          norm_bits: int = DEFAULT_NORM_BITS, delta_bits: int | None = None,
+                          norm_rel_bits: int = DEFAULT_NORM_REL_BITS, norm_slack: int = DEFAULT_NORM_SLACK,
+                          method: str = "top-bits", precision: int = DEFAULT_PRECISION) -> list[bool]:
+    """The coordinators' decision from the shards' summed partials (``counts``, ``squares``: (n,)
+    int64 ring tensors, this party's shares or the twin's values; shared iff ``norms`` is): per
+    client, the AND of no window violation, norm and delta in their windows, and
+    S_t <= floor(m**2 / 2**t). Opens one bit per client, as ``uploads_in_range`` does."""
+    if deltas is not None and B.is_shared(deltas) != B.is_shared(norms):
+        raise TypeError("norms and deltas must be both shared or both plain")
+    m_max = (1 << norm_bits) - 1
+    if m_max + (m_max >> norm_rel_bits) + norm_slack >= 1 << 31:
+        raise ValueError(f"norm_bits {norm_bits} too wide for the consistency check (m**2 >= 2**62)")
+    ring = _Ring(B.is_shared(norms))
+    meter: Callable[[str], Any] = party.meter if party is not None else (lambda _n: contextlib.nullcontext())
+    delta_bits = bound_bits + 1 if delta_bits is None else delta_bits
+    count = torch.as_tensor(counts, dtype=torch.int64).reshape(-1)
+    n = count.numel()
+    extra = {}
+    groups: dict[int, list] = {}
+    for name, t, k in (("norms", norms, norm_bits), ("deltas", deltas, delta_bits)):
+        if t is not None:
+            r, bad = _as_ring(t, precision)
+            extra[name] = (r.reshape(n), None if bad is None else bad.reshape(n))
+            groups.setdefault(k, []).append(extra[name])
+    with meter("window"):
+        for k, parts in groups.items():
+            v = _violations(ring, torch.cat([p for p, _ in parts]), k, method)
+            for i, (p, bad) in enumerate(parts):
+                count = count + v[i * n:(i + 1) * n] + (bad.long() if bad is not None else 0)
+    with meter("norm"):
+        nv = extra["norms"][0]
+        m = ring.add_public(nv + ring.floor_shift(nv, norm_rel_bits), norm_slack)
+        m2 = ring.square(m)
+        r = ring.floor_shift(m2, trunc_bits) if trunc_bits else m2
+        slack = r - torch.as_tensor(squares, dtype=torch.int64).reshape(-1)
+    with meter("verdict"):
+        bits = ring.nonneg(torch.cat([-count, slack]))
+        opened = ring.open(ring.mul(bits[:n], bits[n:]))
     return [bool(v) for v in opened.tolist()]

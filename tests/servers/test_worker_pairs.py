@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -61,9 +62,15 @@ def test_other_names_are_not_workers(name):
 
 
 # ------------------------------------------------------------------ two servers, K workers each
-def _run(tmp_path, workers, counts, updates, swap_peers=False, offline="two-party"):
+def _split(ring, rng):
+    s0 = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=ring.shape, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        return s0, ring - s0
+
+
+def _run(tmp_path, workers, counts, updates, norms, deltas, swap_peers=False, offline="two-party"):
     pytest.importorskip("ray")
-    from tests.helpers.worker_coordinators import aggregate
+    from tests.helpers.worker_coordinators import round_on_shards
 
     keys = tmp_path / "keys"
     tls.init_keys(keys, workers=workers)
@@ -75,19 +82,19 @@ def _run(tmp_path, workers, counts, updates, swap_peers=False, offline="two-part
         dealer = DealerServer(tls.identity(keys, tls.DEALER_NAME))
         threading.Thread(target=dealer.serve_forever, daemon=True).start()
         options["dealer_address"] = dealer.address
-    ring = np.round(updates * 2**16).astype(np.int64)
+    ring = np.trunc(updates * 2**16).astype(np.int64)
     rng = np.random.default_rng(7)
-    s0 = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=ring.shape, dtype=np.int64)
-    with np.errstate(over="ignore"):
-        s1 = ring - s0
+    s0, s1 = _split(ring, rng)
+    n0, n1 = _split(np.trunc(np.asarray(norms) * 2**16).astype(np.int64), rng)
+    d0, d1 = _split(np.trunc(np.asarray(deltas) * 2**16).astype(np.int64), rng)
     ctx = mp.get_context("spawn")
     peer0, peer1 = ctx.Pipe()
     results = [ctx.Pipe(duplex=False) for _ in (0, 1)]
     # Ray's socket paths must stay under 108 bytes: its directories go under a short /tmp name
     ray_dirs = [tempfile.mkdtemp(prefix=f"sfray{r}-") for r in (0, 1)]
-    procs = [ctx.Process(target=aggregate, args=(r, str(keys), ray_dirs[r], workers,
-                                                 list(s), counts, options, swap_peers, c, results[r][1]))
-             for r, s, c in ((0, s0, peer0), (1, s1, peer1))]
+    procs = [ctx.Process(target=round_on_shards, args=(r, str(keys), ray_dirs[r], workers, list(s), counts,
+                                                       n, dl, options, swap_peers, c, results[r][1]))
+             for r, s, n, dl, c in ((0, s0, n0, d0, peer0), (1, s1, n1, d1, peer1))]
     try:
         for p in procs:
             p.start()
@@ -106,29 +113,42 @@ def _run(tmp_path, workers, counts, updates, swap_peers=False, offline="two-part
 
 
 @pytest.mark.parametrize("offline", ["two-party", "dealer"])
-def test_two_workers_per_server_aggregate_each_shard_exactly(tmp_path, offline):
+def test_two_workers_per_server_check_and_aggregate_each_shard_exactly(tmp_path, offline):
+    """A round on shards: the range check's bits equal the unsharded twin's (client 1 lies about
+    its norm, client 3 has one coordinate out of the window, in shard 1), and the opened
+    weighted ring sum equals numpy's exactly."""
+    from protocols.upload_range import uploads_in_range
+
     rng = np.random.default_rng(3)
-    n, d, workers = 3, 1001, 2
+    n, d, workers = 4, 1001, 2
     updates = rng.normal(size=(n, d))
-    counts = [5, 17, 2]
-    ring, out = _run(tmp_path, workers, counts, updates, offline=offline)
+    updates[3, 900] = 5000.0
+    norms = np.linalg.norm(updates, axis=1)
+    norms[1] /= 2
+    deltas = np.quantile(np.abs(updates), 0.9, axis=1)
+    counts = [5, 17, 2, 9]
+    ring, out = _run(tmp_path, workers, counts, updates, norms, deltas, offline=offline)
     assert all(o[0] == "ok" for o in out), out
+    want_bits = uploads_in_range(None, torch.from_numpy(updates), torch.from_numpy(norms), torch.from_numpy(deltas))
+    assert want_bits == [True, False, True, False]
     with np.errstate(over="ignore"):
         want = sum(np.int64(c) * ring[j] for j, c in enumerate(counts))
     for rank, o in enumerate(out):
-        assert np.array_equal(o[1], want)           # both servers open the same exact sum
-        assert o[3] == shard_bounds(d, workers)
-        assert [s["name"] for s in o[2]] == [f"server{rank}-w{k}" for k in range(workers)]
-        assert [s["shares"] for s in o[2]] == [n] * workers
-        assert o[4] == [n] * workers                # every shard's shares dropped
+        _, bits, opened, states, bounds, dropped = o
+        assert bits == want_bits
+        assert np.array_equal(opened, want)         # both servers open the same exact sum
+        assert bounds == shard_bounds(d, workers)
+        assert [s["name"] for s in states] == [f"server{rank}-w{k}" for k in range(workers)]
+        assert [s["shares"] for s in states] == [n] * workers
+        assert dropped == [n] * workers             # every shard's shares dropped
     # the workers are separate processes, and each server's are in its own cluster
-    pids = [s["pid"] for o in out for s in o[2]]
+    pids = [s["pid"] for o in out for s in o[3]]
     assert len(set(pids)) == 2 * workers
 
 
 def test_a_worker_of_another_pair_is_refused(tmp_path):
     updates = np.ones((1, 10))
-    _, out = _run(tmp_path, 2, [1], updates, swap_peers=True)
+    _, out = _run(tmp_path, 2, [1], updates, [4.0], [1.0], swap_peers=True)
     assert all(o[0] == "error" for o in out), out
     # server 0's worker k reached server 1's worker k+1 and refused its certificate; server 1's
     # workers saw no connection of their own pair (the TLS handshake pins the pair's name)
