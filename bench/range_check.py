@@ -149,6 +149,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     common_options.add_seed(p, "the synthetic uploads")
     common_options.add_out(p, None, shown="out/range-check-<config>-<profile>.json", beside=".md beside it")
     common_options.add_quiet(p)
+    p.add_argument("--workers", type=int, default=None, metavar="K",
+                   help="each server as a coordinator and K Ray workers (issue 30): the range check "
+                        "(range+norm) and the aggregate on K coordinate shards, loopback only; "
+                        "default: one process per server, as the daemon runs today")
+
+
+def _on_workers(args: argparse.Namespace, cfg, attacker: int | None) -> int:
+    from .worker_round import bench
+
+    if args.profile != "none":
+        return common_options.refuse("starfish bench range-check", "--workers runs on loopback only: "
+                                     "add --profile none (the workers' links are not emulated)")
+    if not 1 <= args.workers <= min(64, cfg.num_params):
+        return common_options.refuse("starfish bench range-check", f"--workers must be 1..{min(64, cfg.num_params)}")
+    try:
+        res = bench(cfg, attacker, args.workers, args.offline, args.seed, args.quiet)
+    except RuntimeError as exc:
+        print(f"starfish bench range-check --workers: {exc}", file=sys.stderr)
+        return 1
+    expected = [j != attacker for j in range(cfg.clients)]
+    correct = res["bits"] == expected and res["same_bits"] and res["aggregate_equals_numpy"]
+    secs = res["seconds"]
+    text = "\n".join([
+        f"## starfish bench range-check --workers {args.workers}: config {cfg.name}: {cfg.clients} clients x "
+        f"{cfg.num_params:,} coordinates, --offline {args.offline}, loopback; range check (windows and norm) "
+        f"and the exact aggregate on {args.workers} coordinate shard(s) per server",
+        f"verdicts (client {attacker} uploads 2**62): "
+        f"{'as expected' if res['bits'] == expected and res['same_bits'] else 'WRONG: ' + str(res['bits'])}; "
+        f"opened aggregate {'equals' if res['aggregate_equals_numpy'] else 'DIFFERS from'} numpy's ring sum",
+        "",
+        "| server | start s | scatter s | check s | aggregate s | worker peak RSS MiB |",
+        "|---|---|---|---|---|---|",
+        *(f"| {r} | {secs[r]['start']:.1f} | {secs[r]['scatter']:.1f} | {secs[r]['check']:.1f} | "
+          f"{secs[r]['aggregate']:.1f} | {', '.join(f'{m:.0f}' for m in res['worker_peak_rss_mib'][r])} |"
+          for r in (0, 1)),
+        "",
+        f"whole run (both servers' clusters, workers and engines started and stopped): {res['wall_s']:.1f} s"])
+    print(text)
+    out = args.out or f"out/range-check-{cfg.name}-workers{args.workers}-{args.offline}.json"
+    path = write_json(out, {"machine": machine_info(), "benchmark": "range-check --workers",
+                            "config": cfg.to_json(), "result": res, "expected": expected, "correct": correct,
+                            "markdown": text})
+    Path(path).with_suffix(".md").write_text(text + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0 if correct else 1
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -167,6 +212,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     if attacker is not None and attacker >= cfg.clients:
         print(f"--attacker must be below {cfg.clients} (or -1)", file=sys.stderr)
         return 2
+    if args.workers is not None:
+        return _on_workers(args, cfg, attacker)
     fn_args = (cfg.to_json(), steps, attacker)
     label = f"range-check/{cfg.name}"
     common = dict(offline=args.offline, cache_dir=args.cache_dir, key=_cache_key(cfg, steps, attacker), prefix="range-check",

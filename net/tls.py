@@ -138,17 +138,17 @@ def issue(keys_dir: str | os.PathLike, name: str, *, ca_dir: str | os.PathLike |
 
 
 def init_keys(keys_dir: str | os.PathLike, clients: int = 0, *,
-              ca_dir: str | os.PathLike | None = None, workers: int = 1) -> list[str]:
+              ca_dir: str | os.PathLike | None = None, workers: int = 0) -> list[str]:
     """A new CA and every certificate a deployment needs; refuses to overwrite a CA.
 
     Deployments pass ``ca_dir`` (``starfish keys init``, ``init-deployment``), so ``keys_dir``
     gets certificates, keys, ``ca.pem`` and ``crl.pem`` only. ``ca_dir=None`` writes ``ca.key``
     into ``keys_dir`` too: for throw-away test keys only (``mpc.launcher`` deletes it or keeps
-    it for tests that issue more); no daemon starts on such a directory. ``workers`` > 1 (a
+    it for tests that issue more); no daemon starts on such a directory. ``workers`` = K (a
     server as a coordinator and K workers) adds ``server0-w0`` .. ``server1-w{K-1}``.
     """
     names = [*PARTY_NAMES, DEALER_NAME, ADMIN_NAME] + [f"client-{i}" for i in range(clients)]
-    if workers > 1:
+    if workers:
         names += [party_name(r, k) for k in range(workers) for r in (0, 1)]
     ca_d = Path(keys_dir if ca_dir is None else ca_dir)
     for p in [ca_d / CA_KEY_FILE] + [Path(keys_dir) / f"{n}.pem" for n in names]:

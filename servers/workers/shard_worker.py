@@ -18,6 +18,7 @@ peer's) or a value the pair opened on purpose (a program's documented output).
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import time
 from collections.abc import Callable
@@ -35,6 +36,14 @@ class WorkerError(RuntimeError):
     """A worker was asked for something it cannot do (no session, an unknown share)."""
 
 
+def _plain(exc: BaseException) -> WorkerError:
+    """The failure as a ``WorkerError`` naming its type: Ray sends a worker's exception to the
+    coordinator by pickling it, and several of ours (and CrypTen's) cannot be rebuilt there, which
+    left the coordinator with "Failed to deserialize exception" instead of the reason."""
+    text = str(exc).strip().splitlines()
+    return WorkerError(f"{type(exc).__name__}: {text[0][:500] if text else ''}")
+
+
 class ShardWorker:
     """Worker ``worker`` of server ``rank`` (see the module docstring).
 
@@ -48,7 +57,10 @@ class ShardWorker:
                  dealer_address: tuple[str, int] | None = None, listen_host: str = "127.0.0.1",
                  listen_port: int = 0, timeout: float = 120.0) -> None:
         self.name = tls.party_name(rank, worker)
-        tls.identity(keys_dir, self.name)       # fail at start, naming the missing file
+        try:
+            tls.identity(keys_dir, self.name)       # fail at start, naming the missing file
+        except FileNotFoundError as exc:
+            raise _plain(exc) from None
         self.rank, self.worker, self.keys_dir = rank, worker, keys_dir
         self.offline, self.dealer_address, self.timeout = offline, dealer_address, timeout
         self._listener: socket.socket | None = None
@@ -76,10 +88,13 @@ class ShardWorker:
             source["dealer_address"] = tuple(self.dealer_address) if self.dealer_address else None
         else:
             source["engine_pool"] = shared_engine_pool()
-        self._party = open_party(self.rank, self.keys_dir, worker=self.worker,
-                                 peer_listener=self._listener,
-                                 peer_address=tuple(peer_address) if peer_address else None,
-                                 ticket=ticket, timeout=self.timeout, **source)
+        try:
+            self._party = open_party(self.rank, self.keys_dir, worker=self.worker,
+                                     peer_listener=self._listener,
+                                     peer_address=tuple(peer_address) if peer_address else None,
+                                     ticket=ticket, timeout=self.timeout, **source)
+        except Exception as exc:  # noqa: BLE001 - see _plain
+            raise _plain(exc) from None
         self._ticket = ticket
         return self._party.extras["session_id"]
 
@@ -122,10 +137,16 @@ class ShardWorker:
         run by both workers of the pair in the same order, as ``mpc.launcher.run_parties`` does)."""
         if self._party is None:
             raise WorkerError(f"{self.name} has no open session: open one first")
-        return program(self._party, self, *args)
+        try:
+            return program(self._party, self, *args)
+        except WorkerError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - see _plain
+            raise _plain(exc) from None
 
     def state(self) -> dict[str, Any]:
         """What ``starfish status`` shows of a worker."""
         return {"name": self.name, "pid": os.getpid(), "session": self._ticket is not None,
                 "shares": len(self._shares), "bytes": sum(a.nbytes for a in self._shares.values()),
+                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                 "up_s": round(time.time() - self._started, 1)}

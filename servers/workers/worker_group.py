@@ -76,8 +76,13 @@ class WorkerGroup:
                 failures.append(f"server{self.rank}-w{k}: {type(cause).__name__}: "
                                 f"{str(cause).strip().splitlines()[-1][:300] if str(cause).strip() else ''}")
             except self._ray.exceptions.RayActorError as exc:
-                failures.append(f"server{self.rank}-w{k} is gone ({type(exc).__name__}); "
-                                f"the server restarts its workers on the next job run or round")
+                text = str(exc)
+                why = text[text.index("WorkerError: ") + 13:].splitlines()[0][:300] if "WorkerError: " in text \
+                    else f"{type(exc).__name__}; the server starts its workers again on the next round or job run"
+                failures.append(f"server{self.rank}-w{k} is gone: {why}")
+            except self._ray.exceptions.RayError as exc:   # e.g. an answer that could not be read
+                text = str(exc).strip().splitlines()
+                failures.append(f"server{self.rank}-w{k}: {type(exc).__name__}: {text[0][:300] if text else ''}")
         if failures:
             raise WorkerError(f"{method} failed on {len(failures)} of {self.workers} workers: " + "; ".join(failures))
         return out

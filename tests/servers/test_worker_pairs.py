@@ -7,9 +7,6 @@ servers); worker k of server 0 and worker k of server 1 compute shard k over the
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import shutil
-import tempfile
 import threading
 
 import numpy as np
@@ -62,51 +59,25 @@ def test_other_names_are_not_workers(name):
 
 
 # ------------------------------------------------------------------ two servers, K workers each
-def _split(ring, rng):
-    s0 = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=ring.shape, dtype=np.int64)
-    with np.errstate(over="ignore"):
-        return s0, ring - s0
-
-
 def _run(tmp_path, workers, counts, updates, norms, deltas, swap_peers=False, offline="two-party"):
     pytest.importorskip("ray")
-    from tests.helpers.worker_coordinators import round_on_shards
+    from bench.worker_round import run_round
 
     keys = tmp_path / "keys"
     tls.init_keys(keys, workers=workers)
     dealer = None
-    options = {"offline": offline, "timeout": 10.0 if swap_peers else 120.0}
     if offline == "dealer":     # one dealer for the deployment, each pair its own stream
         from mpc.dealer import DealerServer
 
         dealer = DealerServer(tls.identity(keys, tls.DEALER_NAME))
         threading.Thread(target=dealer.serve_forever, daemon=True).start()
-        options["dealer_address"] = dealer.address
-    ring = np.trunc(updates * 2**16).astype(np.int64)
-    rng = np.random.default_rng(7)
-    s0, s1 = _split(ring, rng)
-    n0, n1 = _split(np.trunc(np.asarray(norms) * 2**16).astype(np.int64), rng)
-    d0, d1 = _split(np.trunc(np.asarray(deltas) * 2**16).astype(np.int64), rng)
-    ctx = mp.get_context("spawn")
-    peer0, peer1 = ctx.Pipe()
-    results = [ctx.Pipe(duplex=False) for _ in (0, 1)]
-    # Ray's socket paths must stay under 108 bytes: its directories go under a short /tmp name
-    ray_dirs = [tempfile.mkdtemp(prefix=f"sfray{r}-") for r in (0, 1)]
-    procs = [ctx.Process(target=round_on_shards, args=(r, str(keys), ray_dirs[r], workers, list(s), counts,
-                                                       n, dl, options, swap_peers, c, results[r][1]))
-             for r, s, n, dl, c in ((0, s0, n0, d0, peer0), (1, s1, n1, d1, peer1))]
+    enc = lambda v: np.trunc(np.asarray(v) * 2**16).astype(np.int64)   # noqa: E731
+    ring = enc(updates)
     try:
-        for p in procs:
-            p.start()
-        out = [c.recv() if c.poll(240) else ("error", "no answer in 240 s") for c, _ in results]
-        for p in procs:
-            p.join(60)
+        out = run_round(str(keys), workers, ring, counts, enc(norms), enc(deltas), offline=offline,
+                        dealer_address=dealer.address if dealer else None, swap_peers=swap_peers,
+                        timeout=10.0 if swap_peers else 120.0, wait=240.0)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for d in ray_dirs:
-            shutil.rmtree(d, ignore_errors=True)
         if dealer is not None:
             dealer.stop()
     return ring, out
@@ -133,8 +104,8 @@ def test_two_workers_per_server_check_and_aggregate_each_shard_exactly(tmp_path,
     assert want_bits == [True, False, True, False]
     with np.errstate(over="ignore"):
         want = sum(np.int64(c) * ring[j] for j, c in enumerate(counts))
-    for rank, o in enumerate(out):
-        _, bits, opened, states, bounds, dropped = o
+    for rank, (_, o) in enumerate(out):
+        bits, opened, states, bounds, dropped = (o[k] for k in ("bits", "opened", "workers", "bounds", "dropped"))
         assert bits == want_bits
         assert np.array_equal(opened, want)         # both servers open the same exact sum
         assert bounds == shard_bounds(d, workers)
@@ -142,7 +113,7 @@ def test_two_workers_per_server_check_and_aggregate_each_shard_exactly(tmp_path,
         assert [s["shares"] for s in states] == [n] * workers
         assert dropped == [n] * workers             # every shard's shares dropped
     # the workers are separate processes, and each server's are in its own cluster
-    pids = [s["pid"] for o in out for s in o[3]]
+    pids = [s["pid"] for _, o in out for s in o["workers"]]
     assert len(set(pids)) == 2 * workers
 
 
@@ -154,3 +125,18 @@ def test_a_worker_of_another_pair_is_refused(tmp_path):
     # workers saw no connection of their own pair (the TLS handshake pins the pair's name)
     assert "not valid for 'server1-w0'" in out[0][1] and "not valid for 'server1-w1'" in out[0][1], out[0]
     assert "no server0-w0 with this session's ticket" in out[1][1], out[1]
+
+
+def test_a_worker_without_its_certificate_fails_in_one_line_naming_the_file(tmp_path):
+    pytest.importorskip("ray")
+    from bench.worker_round import run_round
+
+    keys = tmp_path / "keys"
+    tls.init_keys(keys)              # the servers' certificates, no worker's
+    z = np.zeros(1, np.int64)
+    out = run_round(str(keys), 1, np.zeros((1, 8), np.int64), [1], z, z, offline="two-party", wait=120)
+    for rank, (status, text) in enumerate(out):
+        first = text.splitlines()[0]
+        assert status == "error"
+        assert f"server{rank}-w0 is gone: MissingCredential: missing credential {keys}/server{rank}-w0.pem" in first
+        assert f"starfish keys issue --ca-dir CA --keys-dir {keys} --name server{rank}-w0" in first
