@@ -28,14 +28,15 @@ def _fail(action: str, exc: Exception) -> int:
 
 def _valid_name(name: str) -> bool:
     # the names the servers authorise; anything else would be a certificate nobody accepts
-    return name in (*tls.PARTY_NAMES, tls.DEALER_NAME, tls.ADMIN_NAME) or wire.client_id_of(name) is not None
+    return (name in (*tls.PARTY_NAMES, tls.DEALER_NAME, tls.ADMIN_NAME) or wire.client_id_of(name) is not None
+            or tls.worker_of(name) is not None)
 
 
 def cmd_init(args: argparse.Namespace) -> int:
     keys_dir = Path(args.dir)
     ca_dir = Path(args.ca_dir) if args.ca_dir else keys_dir.parent / "ca-offline"
     try:
-        names = tls.init_keys(keys_dir, clients=args.clients, ca_dir=ca_dir)
+        names = tls.init_keys(keys_dir, clients=args.clients, ca_dir=ca_dir, workers=args.workers)
     except (FileExistsError, ValueError) as exc:
         return _fail("init", exc)
     print(f"wrote certificates for {', '.join(names)} to {keys_dir}")
@@ -47,8 +48,9 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_issue(args: argparse.Namespace) -> int:
     if not _valid_name(args.name):
-        return _fail("issue", ValueError(f"{args.name!r} is not server0, server1, dealer, admin "
-                                         f"or client-<id> (decimal, no leading zeros)"))
+        return _fail("issue", ValueError(f"{args.name!r} is not server0, server1, dealer, admin, "
+                                         f"client-<id> or a worker server<0|1>-w<k> (k 0..{tls.MAX_WORKERS - 1}; "
+                                         f"decimal, no leading zeros)"))
     days = args.days or tls.default_days(args.name)
     try:
         tls.issue(args.keys_dir, args.name, ca_dir=args.ca_dir, days=days, replace=args.replace)
@@ -134,6 +136,8 @@ def add_commands(sub: Any) -> None:
     i.add_argument("--ca-dir", help="where the CA's key goes (default: ca-offline beside DIR); "
                                     "refuses to replace an existing CA")
     i.add_argument("--clients", type=int, default=0, help="also issue client-0..client-N-1 (default 0)")
+    i.add_argument("--workers", type=int, default=0, choices=range(0, tls.MAX_WORKERS + 1), metavar="K",
+                   help="also issue server0-w0..server1-w<K-1>: each server's K workers (default 0)")
     i.set_defaults(func=cmd_init)
 
     s = ksub.add_parser("issue", help="sign a new certificate and key for one identity")

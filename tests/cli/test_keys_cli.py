@@ -112,3 +112,22 @@ def test_default_lifetimes(tmp_path, name, days):
     keys = tmp_path / "keys"
     assert run(["keys", "init", str(keys)]) == 0
     assert _days_left(keys / f"{name}.pem") == days - 1
+
+
+def test_worker_certificates_from_keys_init_and_keys_issue(tmp_path, capsys):
+    """A server's workers (issue 30): ``keys init --workers K`` issues server0-w0..server1-w<K-1>,
+    ``keys issue`` takes a worker name (the missing-credential message tells users to run it) and
+    refuses a name no worker can have."""
+    keys, ca_dir = tmp_path / "keys", tmp_path / "ca-offline"
+    assert run(["keys", "init", str(keys), "--workers", "2"]) == 0
+    assert "server1-w1" in capsys.readouterr().out
+    for name in ("server0-w0", "server0-w1", "server1-w0", "server1-w1"):
+        assert tls.identity(keys, name).name == name
+        assert _days_left(keys / f"{name}.pem") >= tls.SERVICE_DAYS - 1
+    assert not (keys / "server0-w2.pem").exists()
+    assert run(["keys", "issue", "--ca-dir", str(ca_dir), "--keys-dir", str(keys), "--name", "server0-w2"]) == 0
+    assert tls.identity(keys, "server0-w2").name == "server0-w2"
+    capsys.readouterr()
+    for bad in ("server0-w64", "server2-w0", "server0-w02"):
+        assert run(["keys", "issue", "--ca-dir", str(ca_dir), "--keys-dir", str(keys), "--name", bad]) == 2
+        assert "server<0|1>-w<k>" in capsys.readouterr().err
