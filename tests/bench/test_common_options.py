@@ -183,3 +183,11 @@ def test_lab_secure_takes_the_profile_and_offline_mode(monkeypatch):
     assert seen["offline"] == "two-party" and (seen["link"].latency, seen["link"].bandwidth_bps) == (0.002, 0.0)
     seen.clear()
     assert lab.main(argv[:-2] + ["--profile", "lan", "--latency-ms", "2"]) == 2 and not seen   # before any FL
+
+
+@pytest.mark.parametrize("argv, why", [(["--workers", "2"], "--profile none"),
+                                       (["--workers", "0", "--profile", "none"], "--workers must be 1..")])
+def test_range_check_on_workers_refuses_what_it_cannot_honour_in_one_line(argv, why, capsys):
+    assert range_check.main(["--config", "tiny", "--quiet", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and why in err
