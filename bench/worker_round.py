@@ -13,7 +13,9 @@ peak RSS (the worker process; a two-party engine is a child process of its own, 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -29,15 +31,14 @@ from servers.workers.worker_group import WorkerGroup
 __all__ = ["run_round", "coordinator"]
 
 
-def coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np.ndarray, counts: list,
-                norms: np.ndarray, deltas: np.ndarray, options: dict[str, Any], swap_peers: bool,
-                peer, out) -> None:
-    """Server ``rank``'s side: scatter its shares of the updates, check and aggregate on shards;
-    sends ("ok", report) or ("error", text) through ``out``."""
-    group = listener = party = None
+def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np.ndarray, counts: list,
+             norms: np.ndarray, deltas: np.ndarray, options: dict[str, Any], swap_peers: bool, peer,
+             attempt: int, kill: bool, groups: list, marks: dict) -> dict:
+    t0 = time.perf_counter()
+    group = WorkerGroup(rank, keys_dir, workers, shares.shape[-1], ray_dir=ray_dir, **options)
+    groups.append(group)
+    listener = party = None
     try:
-        t0 = time.perf_counter()
-        group = WorkerGroup(rank, keys_dir, workers, shares.shape[-1], ray_dir=ray_dir, **options)
         if rank == 1:
             listener = socket.create_server(("127.0.0.1", 0))
             peer.send((group.addresses, listener.getsockname()[:2]))
@@ -46,15 +47,19 @@ def coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np
             peers, address = peer.recv()
             if swap_peers:     # worker k meets the other server's worker k+1 (a test: refused)
                 peers = peers[1:] + peers[:1]
-        group.open(b"round:on-shards", peers)
+        group.open(f"round:on-shards:attempt:{attempt}".encode(), peers)
         source = {k: v for k, v in options.items() if k in ("offline", "dealer_address") and v}
         party = open_party(rank, keys_dir, peer_listener=listener, peer_address=address,
-                           ticket=b"round:on-shards:verdict", timeout=options.get("timeout", 120.0), **source)
+                           ticket=f"round:on-shards:verdict:{attempt}".encode(),
+                           timeout=options.get("timeout", 120.0), **source)
         t1 = time.perf_counter()
         names = [f"u{j}" for j in range(shares.shape[0])]
         for j, n in enumerate(names):
             group.scatter(n, shares[j])
         t2 = time.perf_counter()
+        if kill:      # the last worker dies with its pair's session open and its shares held
+            os.kill(group.state()[-1]["pid"], signal.SIGKILL)
+        marks["check"] = time.perf_counter()
         bits = check_on_shards(group, party, names, norms, deltas)
         t3 = time.perf_counter()
         opened = aggregate_on_shards(group, names, counts)
@@ -62,16 +67,47 @@ def coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np
         states = group.state()
         group.close()
         dropped = group.drop(names)
-        out.send(("ok", {"bits": bits, "opened": opened, "workers": states, "bounds": group.bounds,
-                         "dropped": dropped, "seconds": {"start": t1 - t0, "scatter": t2 - t1,
-                                                         "check": t3 - t2, "aggregate": t4 - t3}}))
-    except BaseException as exc:  # noqa: BLE001 - reported to the caller
-        out.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"))
+        return {"bits": bits, "opened": opened, "workers": states, "bounds": group.bounds, "dropped": dropped,
+                "seconds": {"start": t1 - t0, "scatter": t2 - t1, "check": t3 - t2, "aggregate": t4 - t3}}
     finally:
         if party is not None:
             party.close()
-        if group is not None:
-            group.shutdown()
+        if listener is not None:
+            listener.close()
+
+
+def coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np.ndarray, counts: list,
+                norms: np.ndarray, deltas: np.ndarray, options: dict[str, Any], swap_peers: bool,
+                peer, out, kill_worker: bool = False) -> None:
+    """Server ``rank``'s side: scatter its shares of the updates, check and aggregate on shards;
+    sends ("ok", report) or ("error", text) through ``out``. ``kill_worker`` (a fault test):
+    server 0 kills its last worker before the first attempt's check; each server then reports
+    the failed attempt (its one-line error and the seconds from the check's start to the failure) and tries once
+    more with new workers, as a round's close is retried."""
+    groups: list[WorkerGroup] = []
+    failed: list[dict] = []
+    try:
+        for attempt in range(1, 3 if kill_worker else 2):
+            marks: dict = {}
+            try:
+                report = _attempt(rank, keys_dir, ray_dir, workers, shares, counts, norms, deltas, options,
+                                  swap_peers, peer, attempt, kill_worker and attempt == 1 and rank == 0, groups,
+                                  marks)
+            except Exception as exc:  # noqa: BLE001 - the attempt failed: reported, then retried
+                failed.append({"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:1000],
+                               "check_failed_after_s": time.perf_counter() - marks["check"]
+                               if "check" in marks else None})
+                if groups:
+                    groups[-1].stop_workers()
+                continue
+            out.send(("ok", dict(report, failed_attempts=failed)))
+            return
+        raise RuntimeError(failed[-1]["error"] if failed else "no attempt ran")
+    except BaseException as exc:  # noqa: BLE001 - reported to the caller
+        out.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"))
+    finally:
+        if groups:
+            groups[-1].shutdown()
 
 
 def _split(ring: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -83,7 +119,8 @@ def _split(ring: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.n
 
 def run_round(keys_dir: str, workers: int, ring: np.ndarray, counts: list, norms: np.ndarray,
               deltas: np.ndarray, *, offline: str, dealer_address=None, swap_peers: bool = False,
-              timeout: float = 120.0, seed: int = 7, wait: float = 3600.0) -> list[tuple]:
+              kill_worker: bool = False, timeout: float = 120.0, seed: int = 7,
+              wait: float = 3600.0) -> list[tuple]:
     """Both servers' reports (rank 0, rank 1) of one round on ``workers`` worker pairs. ``ring``:
     the (n, d) encoded updates, ``norms``, ``deltas``: (n,) encoded; shared here with ``seed``."""
     rng = np.random.default_rng(seed)
@@ -97,7 +134,7 @@ def run_round(keys_dir: str, workers: int, ring: np.ndarray, counts: list, norms
     procs = [ctx.Process(target=coordinator,
                          args=(r, str(keys_dir), ray_dirs[r], workers, shares[0][r], list(counts),
                                shares[1][r], shares[2][r], options, swap_peers, (peer0, peer1)[r],
-                               results[r][1]))
+                               results[r][1], kill_worker))
              for r in (0, 1)]
     try:
         for p in procs:

@@ -25,6 +25,7 @@ from mpc.party_pair import PartyPair
 _FILE_SECONDS = {
     "tests/servers/test_robust_unlearning.py": 126,
     "tests/servers/test_job_crashes.py": 105,
+    "tests/servers/test_worker_pairs.py": 98,
     "tests/mpc/test_two_party_mode.py": 98,
     "tests/protocols/test_robust_aggregation.py": 86,
     "tests/protocols/starfish/test_stage2_2pc.py": 81,

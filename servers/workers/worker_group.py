@@ -118,12 +118,19 @@ class WorkerGroup:
                 out.append({"name": f"server{self.rank}-w{k}", "error": str(exc).splitlines()[0][:200]})
         return out
 
-    def shutdown(self) -> None:
-        """End the workers (and the local cluster this group started)."""
+    def stop_workers(self) -> None:
+        """End this group's workers and keep the cluster: what a coordinator does before it
+        starts a new group for the next attempt of a round or a job (a dead worker's shares are
+        gone with it; the store still holds them, so the next attempt scatters them again)."""
         for a in self.actors:
             try:
                 self._ray.kill(a)
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self.actors = []
+
+    def shutdown(self) -> None:
+        """End the workers and this process's connection to the cluster (a local cluster the
+        group started stops with it)."""
+        self.stop_workers()
         self._ray.shutdown()

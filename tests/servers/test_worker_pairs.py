@@ -59,7 +59,7 @@ def test_other_names_are_not_workers(name):
 
 
 # ------------------------------------------------------------------ two servers, K workers each
-def _run(tmp_path, workers, counts, updates, norms, deltas, swap_peers=False, offline="two-party"):
+def _run(tmp_path, workers, counts, updates, norms, deltas, swap_peers=False, offline="two-party", kill=False):
     pytest.importorskip("ray")
     from bench.worker_round import run_round
 
@@ -76,18 +76,24 @@ def _run(tmp_path, workers, counts, updates, norms, deltas, swap_peers=False, of
     try:
         out = run_round(str(keys), workers, ring, counts, enc(norms), enc(deltas), offline=offline,
                         dealer_address=dealer.address if dealer else None, swap_peers=swap_peers,
-                        timeout=10.0 if swap_peers else 120.0, wait=240.0)
+                        kill_worker=kill, timeout=4.0 if swap_peers else 120.0, wait=240.0)
     finally:
         if dealer is not None:
             dealer.stop()
     return ring, out
 
 
-@pytest.mark.parametrize("offline", ["two-party", "dealer"])
-def test_two_workers_per_server_check_and_aggregate_each_shard_exactly(tmp_path, offline):
+@pytest.mark.parametrize("offline, kill", [("two-party", True), ("dealer", False)],
+                         ids=["two-party-with-a-killed-worker", "dealer"])
+def test_two_workers_per_server_check_and_aggregate_each_shard_exactly(tmp_path, offline, kill):
     """A round on shards: the range check's bits equal the unsharded twin's (client 1 lies about
     its norm, client 3 has one coordinate out of the window, in shard 1), and the opened
-    weighted ring sum equals numpy's exactly."""
+    weighted ring sum equals numpy's exactly.
+
+    ``kill``: server 0's worker 1 is killed first, with its pair's session open and its shares
+    held: both coordinators' first attempt fails within seconds of the check's start, naming the
+    worker (server 1's worker 1 notices its peer's link close), and the retry with new workers
+    gives the results above."""
     from protocols.upload_range import uploads_in_range
 
     rng = np.random.default_rng(3)
@@ -98,8 +104,16 @@ def test_two_workers_per_server_check_and_aggregate_each_shard_exactly(tmp_path,
     norms[1] /= 2
     deltas = np.quantile(np.abs(updates), 0.9, axis=1)
     counts = [5, 17, 2, 9]
-    ring, out = _run(tmp_path, workers, counts, updates, norms, deltas, offline=offline)
+    ring, out = _run(tmp_path, workers, counts, updates, norms, deltas, offline=offline, kill=kill)
     assert all(o[0] == "ok" for o in out), out
+    for rank, (_, o) in enumerate(out):
+        failed = o["failed_attempts"]
+        assert len(failed) == (1 if kill else 0), failed
+        if kill:
+            assert f"server{rank}-w1" in failed[0]["error"] and failed[0]["check_failed_after_s"] < 10, failed
+    if kill:
+        assert "server0-w1 is gone" in out[0][1]["failed_attempts"][0]["error"]
+        assert "engine is gone" in out[1][1]["failed_attempts"][0]["error"]
     want_bits = uploads_in_range(None, torch.from_numpy(updates), torch.from_numpy(norms), torch.from_numpy(deltas))
     assert want_bits == [True, False, True, False]
     with np.errstate(over="ignore"):
@@ -140,3 +154,4 @@ def test_a_worker_without_its_certificate_fails_in_one_line_naming_the_file(tmp_
         assert status == "error"
         assert f"server{rank}-w0 is gone: MissingCredential: missing credential {keys}/server{rank}-w0.pem" in first
         assert f"starfish keys issue --ca-dir CA --keys-dir {keys} --name server{rank}-w0" in first
+
