@@ -64,28 +64,45 @@ class WorkerGroup:
         self.addresses = self._all("address")     # waits until every worker is up
 
     def _all(self, method: str, *per_worker: Sequence[Any], common: tuple = ()) -> list[Any]:
-        """``method`` on every worker at once (worker k gets the k-th item of each ``per_worker``)."""
+        """``method`` on every worker at once (worker k gets the k-th item of each ``per_worker``).
+
+        Fails as soon as one worker fails, naming every worker that has failed by then: the
+        others' parts are of no use to a round or job that must be tried again, and a worker whose
+        pair lost its peer may only fail at its session's timeout."""
         refs = [getattr(a, method).remote(*(p[k] for p in per_worker), *common)
                 for k, a in enumerate(self.actors)]
-        out, failures = [], []
-        for k, ref in enumerate(refs):   # every worker's answer, so one failure names all of them
-            try:
-                out.append(self._ray.get(ref))
-            except self._ray.exceptions.RayTaskError as exc:
-                cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
-                failures.append(f"server{self.rank}-w{k}: {type(cause).__name__}: "
-                                f"{str(cause).strip().splitlines()[-1][:300] if str(cause).strip() else ''}")
-            except self._ray.exceptions.RayActorError as exc:
-                text = str(exc)
-                why = text[text.index("WorkerError: ") + 13:].splitlines()[0][:300] if "WorkerError: " in text \
-                    else f"{type(exc).__name__}; the server starts its workers again on the next round or job run"
-                failures.append(f"server{self.rank}-w{k} is gone: {why}")
-            except self._ray.exceptions.RayError as exc:   # e.g. an answer that could not be read
-                text = str(exc).strip().splitlines()
-                failures.append(f"server{self.rank}-w{k}: {type(exc).__name__}: {text[0][:300] if text else ''}")
+        index = {ref: k for k, ref in enumerate(refs)}
+        out: dict[int, Any] = {}
+        failures: list[str] = []
+        pending = list(refs)
+        while pending and not failures:
+            done, pending = self._ray.wait(pending, num_returns=1)
+            # whatever else has finished by now is read too, so one error line names them all
+            more, pending = self._ray.wait(pending, num_returns=len(pending), timeout=0) if pending else ([], [])
+            for ref in [*done, *more]:
+                k = index[ref]
+                try:
+                    out[k] = self._ray.get(ref)
+                except self._ray.exceptions.RayError as exc:
+                    failures.append(self._failure(k, exc))
         if failures:
             raise WorkerError(f"{method} failed on {len(failures)} of {self.workers} workers: " + "; ".join(failures))
-        return out
+        return [out[k] for k in range(len(refs))]
+
+    def _failure(self, k: int, exc: Exception) -> str:
+        """One line for worker k's failure (its own exception, or why it is gone)."""
+        name = f"server{self.rank}-w{k}"
+        if isinstance(exc, self._ray.exceptions.RayTaskError):
+            cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+            text = str(cause).strip().splitlines()
+            return f"{name}: {type(cause).__name__}: {text[-1][:300] if text else ''}"
+        if isinstance(exc, self._ray.exceptions.RayActorError):
+            text = str(exc)
+            why = text[text.index("WorkerError: ") + 13:].splitlines()[0][:300] if "WorkerError: " in text \
+                else f"{type(exc).__name__}; the server starts its workers again on the next round or job run"
+            return f"{name} is gone: {why}"
+        text = str(exc).strip().splitlines()    # e.g. an answer that could not be read
+        return f"{name}: {type(exc).__name__}: {text[0][:300] if text else ''}"
 
     def open(self, ticket: bytes, peer_addresses: Sequence[tuple[str, int] | None] | None = None) -> list[str]:
         """Every pair's session ``ticket`` (server 0 passes server 1's ``addresses``)."""

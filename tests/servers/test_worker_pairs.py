@@ -83,17 +83,17 @@ def _run(tmp_path, workers, counts, updates, norms, deltas, swap_peers=False, of
     return ring, out
 
 
-@pytest.mark.parametrize("offline, kill", [("two-party", True), ("dealer", False)],
-                         ids=["two-party-with-a-killed-worker", "dealer"])
+@pytest.mark.parametrize("offline, kill", [("two-party", False), ("dealer", True)],
+                         ids=["two-party", "dealer-with-a-killed-worker"])
 def test_two_workers_per_server_check_and_aggregate_each_shard_exactly(tmp_path, offline, kill):
     """A round on shards: the range check's bits equal the unsharded twin's (client 1 lies about
     its norm, client 3 has one coordinate out of the window, in shard 1), and the opened
     weighted ring sum equals numpy's exactly.
 
     ``kill``: server 0's worker 1 is killed first, with its pair's session open and its shares
-    held: both coordinators' first attempt fails within seconds of the check's start, naming the
-    worker (server 1's worker 1 notices its peer's link close), and the retry with new workers
-    gives the results above."""
+    held: both coordinators' first attempt fails within seconds of the check's start (its
+    session's timeout is 120 s), naming the worker (server 1's worker 1 notices its peer's link
+    close), and the retry with new workers gives the results above."""
     from protocols.upload_range import uploads_in_range
 
     rng = np.random.default_rng(3)
@@ -110,10 +110,10 @@ def test_two_workers_per_server_check_and_aggregate_each_shard_exactly(tmp_path,
         failed = o["failed_attempts"]
         assert len(failed) == (1 if kill else 0), failed
         if kill:
-            assert f"server{rank}-w1" in failed[0]["error"] and failed[0]["check_failed_after_s"] < 10, failed
+            assert f"server{rank}-w1" in failed[0]["error"] and failed[0]["check_failed_after_s"] < 30, failed
+            assert f"server{rank}-w0" not in failed[0]["error"], failed     # its pair was not hurt
     if kill:
         assert "server0-w1 is gone" in out[0][1]["failed_attempts"][0]["error"]
-        assert "engine is gone" in out[1][1]["failed_attempts"][0]["error"]
     want_bits = uploads_in_range(None, torch.from_numpy(updates), torch.from_numpy(norms), torch.from_numpy(deltas))
     assert want_bits == [True, False, True, False]
     with np.errstate(over="ignore"):
