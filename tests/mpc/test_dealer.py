@@ -88,6 +88,14 @@ def _link(keys, server, cert_name, rank, session):
     return DealerLink(ch, rank, session)
 
 
+def _assert_a_triple(p0, p1, n):
+    """The two links' seeds and party 1's correction make a Beaver triple: c = a * b."""
+    req = C.make_request("triple", (n,), (n,), "mul")
+    a0, b0, c0 = C.party0_shares(req, p0.seed, 0)
+    a1, b1, c1 = C.party1_shares(req, p1.seed, 0, p1.get(0, req))
+    assert torch.equal(c0 + c1, (a0 + a1) * (b0 + b1))
+
+
 def test_dealer_gives_each_seed_once_and_only_to_its_own_server():
     import os
 
@@ -102,10 +110,7 @@ def test_dealer_gives_each_seed_once_and_only_to_its_own_server():
             _link(keys, server, "server0", 0, sid)
         p1 = _link(keys, server, "server1", 1, sid)
         assert p1.seed != first.seed
-        req = C.make_request("triple", (5,), (5,), "mul")
-        a0, b0, c0 = C.party0_shares(req, first.seed, 0)
-        a1, b1, c1 = C.party1_shares(req, p1.seed, 0, p1.get(0, req))
-        assert torch.equal(c0 + c1, (a0 + a1) * (b0 + b1))
+        _assert_a_triple(first, p1, 5)
         p1.close()
         first.close()
     finally:
@@ -132,10 +137,7 @@ def test_dealer_gives_a_sessions_seeds_to_one_worker_pair_only():
         with pytest.raises(C.RequestError, match="another pair"):
             _link(keys, server, "server1", 1, sid)
         p1 = _link(keys, server, "server1-w0", 1, sid)
-        req = C.make_request("triple", (4,), (4,), "mul")
-        a0, b0, c0 = C.party0_shares(req, p0.seed, 0)
-        a1, b1, c1 = C.party1_shares(req, p1.seed, 0, p1.get(0, req))
-        assert torch.equal(c0 + c1, (a0 + a1) * (b0 + b1))
+        _assert_a_triple(p0, p1, 4)
         p1.close()
         p0.close()
         # and the servers' own sessions stay theirs: a worker cannot join one
