@@ -61,7 +61,11 @@ class WorkerGroup:
                      log_to_driver=False, configure_logging=False, **local)
         actor = ray.remote(ShardWorker).options(num_cpus=cpus_per_worker, max_restarts=0)
         self.actors = [actor.remote(rank, k, str(keys_dir), **worker_options) for k in range(workers)]
-        self.addresses = self._all("address")     # waits until every worker is up
+        try:
+            self.addresses = self._all("address")     # waits until every worker is up
+        except BaseException:
+            self.stop_workers()     # a group that never came up leaves no worker behind
+            raise
 
     def _all(self, method: str, *per_worker: Sequence[Any], common: tuple = ()) -> list[Any]:
         """``method`` on every worker at once (worker k gets the k-th item of each ``per_worker``).
