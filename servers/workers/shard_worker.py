@@ -17,9 +17,12 @@ peer's) or a value the pair opened on purpose (a program's documented output).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import resource
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -61,6 +64,14 @@ class ShardWorker:
             tls.identity(keys_dir, self.name)       # fail at start, naming the missing file
         except FileNotFoundError as exc:
             raise _plain(exc) from None
+        # this worker's temporary files (its two-party engine's per-link key) in a directory of
+        # its own identity, swept at start: a worker killed outright (Ray ends its children with
+        # it) cannot remove them, and the next worker of the same name on this machine does
+        tag = hashlib.sha256(os.path.abspath(keys_dir).encode()).hexdigest()[:8]
+        self._tmp = os.path.join(tempfile.gettempdir(), f"starfish-{self.name}-{tag}")
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        os.makedirs(self._tmp, mode=0o700)
+        tempfile.tempdir = self._tmp
         self.rank, self.worker, self.keys_dir = rank, worker, keys_dir
         self.offline, self.dealer_address, self.timeout = offline, dealer_address, timeout
         self._listener: socket.socket | None = None
@@ -103,6 +114,15 @@ class ShardWorker:
         party, self._party, self._ticket = self._party, None, None
         if party is not None:
             party.close()
+
+    def shutdown(self) -> None:
+        """Leave the session, end the pair's engine (it removes its key) and this worker's
+        temporary files: what ``WorkerGroup.stop_workers`` asks before it ends the process."""
+        self.close()
+        if self.offline != "dealer":
+            shared_engine_pool().close()
+        self.drop(list(self._shares))
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
     # ------------------------------------------------------------------ shares
     def put(self, name: str, share: np.ndarray) -> int:

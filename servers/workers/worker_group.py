@@ -143,6 +143,11 @@ class WorkerGroup:
         """End this group's workers and keep the cluster: what a coordinator does before it
         starts a new group for the next attempt of a round or a job (a dead worker's shares are
         gone with it; the store still holds them, so the next attempt scatters them again)."""
+        # a live worker ends its engine and removes its files first; a dead or stuck one is
+        # ended anyway, and its successor sweeps its files (``ShardWorker``)
+        refs = [a.shutdown.remote() for a in self.actors]
+        if refs:
+            self._ray.wait(refs, num_returns=len(refs), timeout=10)
         for a in self.actors:
             try:
                 self._ray.kill(a)

@@ -7,7 +7,11 @@ servers); worker k of server 0 and worker k of server 1 compute shard k over the
 
 from __future__ import annotations
 
+import glob
+import hashlib
+import os
 import re
+import tempfile
 import threading
 
 import numpy as np
@@ -60,6 +64,11 @@ def test_other_names_are_not_workers(name):
 
 
 # ------------------------------------------------------------------ two servers, K workers each
+def _tag(keys) -> str:
+    """The key directory's tag in a worker's temporary directory (``ShardWorker``)."""
+    return hashlib.sha256(os.path.abspath(keys).encode()).hexdigest()[:8]
+
+
 def _run(tmp_path, workers, counts, updates, norms, deltas, swap_peers=False, offline="two-party", kill=False):
     pytest.importorskip("ray")
     from bench.worker_round import run_round
@@ -130,6 +139,9 @@ def test_two_workers_per_server_check_and_aggregate_each_shard_exactly(tmp_path,
         assert [s["name"] for s in states] == [f"server{rank}-w{k}" for k in range(workers)]
         assert [s["shares"] for s in states] == [n] * workers
         assert dropped == [n] * workers             # every shard's shares dropped
+    # no worker left its files (its engine's per-link key) behind, the killed one's included
+    left = sorted(glob.glob(os.path.join(tempfile.gettempdir(), f"starfish-server?-w?-{_tag(tmp_path / 'keys')}")))
+    assert left == []
     # the workers are separate processes, and each server's are in its own cluster
     pids = [s["pid"] for _, o in out for s in o["workers"]]
     assert len(set(pids)) == 2 * workers
