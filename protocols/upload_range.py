@@ -142,6 +142,18 @@ class _Ring:
         return self._mpc(v).reveal() if self.shared else v
 
 
+def _check_norm_width(norm_bits: int, norm_rel_bits: int, norm_slack: int) -> None:
+    """The largest m = n + floor(n / 2**e) + slack must keep m**2 below 2**62."""
+    m_max = (1 << norm_bits) - 1
+    if m_max + (m_max >> norm_rel_bits) + norm_slack >= 1 << 31:
+        raise ValueError(f"norm_bits {norm_bits} too wide for the consistency check (m**2 >= 2**62)")
+
+
+def _norm_bound(ring: _Ring, nv: torch.Tensor, norm_rel_bits: int, norm_slack: int) -> torch.Tensor:
+    """m = n + floor(n / 2**e) + slack: the largest sum of squares' root a norm n admits."""
+    return ring.add_public(nv + ring.floor_shift(nv, norm_rel_bits), norm_slack)
+
+
 def _as_ring(t: Any, precision: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(int64 ring tensor, mask of unencodable entries or None) of one input."""
     if B.is_shared(t):
@@ -198,10 +210,7 @@ def uploads_in_range(party: Any, updates: Any, norms: Any = None, deltas: Any = 
     check_norm = consistency and norms is not None
     if check_norm:
         plan = norm_plan(d, bound_bits)
-        m_max = (1 << norm_bits) - 1
-        m_max += (m_max >> norm_rel_bits) + norm_slack
-        if m_max * m_max >= 1 << 62:
-            raise ValueError(f"norm_bits {norm_bits} too wide for the consistency check (m**2 >= 2**62)")
+        _check_norm_width(norm_bits, norm_rel_bits, norm_slack)
     ring = _Ring(all(shared))
     meter: Callable[[str], Any] = party.meter if party is not None else (lambda _n: contextlib.nullcontext())
 
@@ -235,7 +244,7 @@ def uploads_in_range(party: Any, updates: Any, norms: Any = None, deltas: Any = 
         length, chunks, t = plan
         with meter("norm"):
             nv = extra["norms"]
-            m = ring.add_public(nv + ring.floor_shift(nv, norm_rel_bits), norm_slack)
+            m = _norm_bound(ring, nv, norm_rel_bits, norm_slack)
             sq = ring.square(torch.cat([x.reshape(-1), m]))
             q, m2 = sq[: n * d].reshape(n, d), sq[n * d:]
             if chunks > 1:
@@ -303,9 +312,7 @@ def verdict_from_partials(party: Any, counts: Any, squares: Any, trunc_bits: int
     S_t <= floor(m**2 / 2**t). Opens one bit per client, as ``uploads_in_range`` does."""
     if deltas is not None and B.is_shared(deltas) != B.is_shared(norms):
         raise TypeError("norms and deltas must be both shared or both plain")
-    m_max = (1 << norm_bits) - 1
-    if m_max + (m_max >> norm_rel_bits) + norm_slack >= 1 << 31:
-        raise ValueError(f"norm_bits {norm_bits} too wide for the consistency check (m**2 >= 2**62)")
+    _check_norm_width(norm_bits, norm_rel_bits, norm_slack)
     ring = _Ring(B.is_shared(norms))
     meter: Callable[[str], Any] = party.meter if party is not None else (lambda _n: contextlib.nullcontext())
     delta_bits = bound_bits + 1 if delta_bits is None else delta_bits
@@ -325,8 +332,7 @@ def verdict_from_partials(party: Any, counts: Any, squares: Any, trunc_bits: int
                 count = count + v[i * n:(i + 1) * n] + (bad.long() if bad is not None else 0)
     with meter("norm"):
         nv = extra["norms"][0]
-        m = ring.add_public(nv + ring.floor_shift(nv, norm_rel_bits), norm_slack)
-        m2 = ring.square(m)
+        m2 = ring.square(_norm_bound(ring, nv, norm_rel_bits, norm_slack))
         r = ring.floor_shift(m2, trunc_bits) if trunc_bits else m2
         slack = r - torch.as_tensor(squares, dtype=torch.int64).reshape(-1)
     with meter("verdict"):
