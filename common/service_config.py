@@ -30,7 +30,7 @@ from net import tls
 __all__ = ["ConfigError", "AGGREGATORS", "BRACE_CLIENTS", "Endpoint", "ServerSection", "DealerSection", "ModelSection",
            "FLSection", "UnlearningSection", "LimitsSection", "ClientsSection",
            "ServiceConfig", "load_config", "render_config", "write_scratch_deployment",
-           "free_loopback_ports"]
+           "free_loopback_ports", "DEPLOYMENT_KEYS"]
 
 
 class ConfigError(ValueError):
@@ -63,6 +63,10 @@ class ServerSection:
     peer_port: int = 7101
     mpc_port: int = 7102
     data_dir: str = "data/server0"
+    # where this server's workers (``[deployment] workers`` > 1) listen for their peer worker on an
+    # ephemeral port (server 1's; server 0's connect): "" the server's host; "0.0.0.0" every
+    # interface, each worker advertising its machine's address (workers on other machines)
+    worker_host: str = ""
 
     def api(self) -> Endpoint:
         return Endpoint(self.host, self.api_port)
@@ -192,6 +196,11 @@ class ServiceConfig:
     path: Path
     keys_dir: Path
     offline: OfflineMode = DEFAULT_OFFLINE   # where the 2PC sessions' correlations come from
+    # K > 1: each server is a coordinator and K Ray workers owning coordinate shards (docs/service.md,
+    # "A server across machines"); 1: one process per server, Ray never imported
+    workers: int = 1
+    # the server's own Ray cluster to join ("auto" or "host:port"); "": each daemon starts a local one
+    ray_address: str = ""
     server0: ServerSection = field(default_factory=ServerSection)
     server1: ServerSection = field(default_factory=lambda: ServerSection(
         api_port=7110, peer_port=7111, mpc_port=7112, data_dir="data/server1"))
@@ -220,6 +229,10 @@ _SECTIONS: dict[str, type] = {
     "model": ModelSection, "fl": FLSection, "unlearning": UnlearningSection,
     "limits": LimitsSection, "clients": ClientsSection,
 }
+
+
+#: the keys of ``[deployment]`` (the others are sections of their own)
+DEPLOYMENT_KEYS = ("keys_dir", "offline", "workers", "ray_address")
 
 
 def _section(cls: type, name: str, raw: Any, base: Any) -> Any:
@@ -322,16 +335,24 @@ def load_config(path: str | os.PathLike[str]) -> ServiceConfig:
         raise ConfigError(f"{p}: not valid TOML: {exc}") from None
     top = dict(raw)
     deployment = top.pop("deployment", {})
-    if not isinstance(deployment, dict) or set(deployment) - {"keys_dir", "offline"}:
-        raise ConfigError("[deployment] takes only keys_dir and offline")
+    if not isinstance(deployment, dict) or set(deployment) - set(DEPLOYMENT_KEYS):
+        raise ConfigError(f"[deployment] takes only {', '.join(DEPLOYMENT_KEYS)}")
     keys = deployment.get("keys_dir", "keys")
     if not isinstance(keys, str):
         raise ConfigError("[deployment] keys_dir must be a string")
+    workers = deployment.get("workers", 1)
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= tls.MAX_WORKERS:
+        raise ConfigError(f"[deployment] workers must be an integer in 1..{tls.MAX_WORKERS} (1: one "
+                          f"process per server), got {workers!r}")
+    ray_address = deployment.get("ray_address", "")
+    if not isinstance(ray_address, str):
+        raise ConfigError("[deployment] ray_address must be a string (\"\": a local cluster per server)")
     try:
         offline = OfflineMode.of(deployment.get("offline", DEFAULT_OFFLINE))
     except ValueError as exc:
         raise ConfigError(f"[deployment] {exc}") from None
-    cfg = ServiceConfig(path=p, keys_dir=Path("."), offline=offline)
+    cfg = ServiceConfig(path=p, keys_dir=Path("."), offline=offline, workers=workers,
+                        ray_address=ray_address)
     unknown = sorted(set(top) - set(_SECTIONS))
     if unknown:
         raise ConfigError(f"unknown sections {unknown}; known: deployment, {', '.join(_SECTIONS)}")
@@ -361,7 +382,9 @@ def render_config(cfg: ServiceConfig, keys_dir: str = "keys") -> str:
              "[deployment]", f"keys_dir = {_toml_value(keys_dir)}",
              "# dealer: a third process supplies correlated randomness (trusted not to collude);",
              "# two-party: none, the servers make it between themselves (docs/protocols.md)",
-             f"offline = {_toml_value(cfg.offline)}", ""]
+             f"offline = {_toml_value(cfg.offline)}",
+             "# workers > 1: each server a coordinator and that many Ray workers (docs/service.md)",
+             f"workers = {cfg.workers}", f"ray_address = {_toml_value(cfg.ray_address)}", ""]
     for name in _SECTIONS:
         sec = getattr(cfg, name)
         lines.append(f"[{name}]")
@@ -395,10 +418,11 @@ SCRATCH_CA_DIR = "ca-offline"
 
 def write_scratch_deployment(directory: str | os.PathLike[str], *, clients: int = 20,
                              overrides: dict[str, dict[str, Any]] | None = None,
-                             offline: OfflineMode | str = DEFAULT_OFFLINE) -> Path:
+                             offline: OfflineMode | str = DEFAULT_OFFLINE, workers: int = 1) -> Path:
     """Keys (servers, dealer, admin, client-0..N-1) and a config on free loopback ports.
 
-    Returns the path of ``config.toml``. ``overrides`` maps section -> {key: value};
+    Returns the path of ``config.toml``. ``workers`` > 1 issues the workers' certificates too.
+    ``overrides`` maps section -> {key: value};
     ``fl.min_clients``, unless given, is min(3, clients_expected). The
     daemons read ``keys/`` (certificates, their keys, ``ca.pem``, ``crl.pem``); the CA's
     private key goes to ``ca-offline/`` beside it, never into ``keys/``, because a daemon
@@ -408,13 +432,14 @@ def write_scratch_deployment(directory: str | os.PathLike[str], *, clients: int 
     """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    tls.init_keys(d / "keys", clients=clients, ca_dir=d / SCRATCH_CA_DIR)
+    tls.init_keys(d / "keys", clients=clients, ca_dir=d / SCRATCH_CA_DIR,
+                  workers=workers if workers > 1 else 0)
     ports = free_loopback_ports(7)
     try:
         mode = OfflineMode.of(offline)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    cfg = ServiceConfig(path=d / "config.toml", keys_dir=d / "keys", offline=mode)
+    cfg = ServiceConfig(path=d / "config.toml", keys_dir=d / "keys", offline=mode, workers=workers)
     cfg = dataclasses.replace(
         cfg,
         server0=ServerSection("127.0.0.1", ports[0], ports[1], ports[2], "data/server0"),

@@ -123,6 +123,16 @@ def cmd_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker_line(w: dict) -> str:
+    """One line of ``starfish status`` per worker (``ServerWorkers.state``)."""
+    if w.get("state") == "up":
+        return (f"{w['name']}: up {w['up_s']:.0f}s, pid {w['pid']}, {w['shares']} shares "
+                f"({w['bytes'] / 2**20:.1f} MiB), peak RSS {w['peak_rss_mib']:.0f} MiB"
+                + (", in a session" if w.get("session") else ""))
+    why = w.get("error") or w.get("last_failure")
+    return f"{w['name']}: {w.get('state', 'unknown')}" + (f" ({why})" if why else "")
+
+
 def cmd_dealer(args: argparse.Namespace) -> int:
     cfg = _config(args)
     _logging(args.log_level)
@@ -385,6 +395,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  waiting for {what}")
         for cid, why in st.get("left_out", {}).items():
             print(f"  client {cid} not taken: {why}")
+        for w in st.get("workers", []):
+            print(f"  worker {_worker_line(w)}")
         for j in st["jobs"][-10:]:
             print(f"  job {j['job']}: {j['state']} {100 * j['progress']:.0f}% targets {j['targets']} "
                   f"by {j['requester']}" + (f" ({j['error']})" if j.get("error") else ""))

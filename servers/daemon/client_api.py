@@ -333,6 +333,8 @@ class ClientAPI:
                "fl_rounds": self.store.fl_rounds, "open_round": self.rounds.open_round(),
                "staged": list(self.store.staged(T + 1)), "busy_job": self.jobs.running,
                "paused": self.jobs.pending(), "jobs": jobs, **self._health()}
+        if who != tls.ADMIN_NAME:
+            out.pop("workers", None)     # the operator's business (processes, addresses)
         if who == tls.ADMIN_NAME:
             out["forgotten"] = [{"client": c, **{k: v for k, v in rec.items() if v is not None}}
                                 for c, rec in sorted(self.store.forgotten().items())]

@@ -6,7 +6,7 @@ Server 0 sends one request at a time (``servers.daemon.peer_link``); server 1 an
 op                      request                    reply
 ======================  =========================  ===========================================================
 ``state``               :class:`GetState`          :class:`PeerState` (rounds, staged uploads, jobs)
-``check_round``         :class:`CheckRound`        no fields (server 1 joins the range check's session)
+``check_round``         :class:`CheckRound`        :class:`WorkerAddresses` (server 1 joins the range check's session)
 ``close_round``         :class:`CloseRound`        :class:`RoundShare` (server 1's share sum, digest)
 ``aggregate_round``     :class:`AggregateRound`    no fields (server 1 joins the robust aggregation's session)
 ``close_robust_round``  :class:`CloseRobustRound`  :class:`ModelDigest` (server 1's model digest)
@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import numpy as np
 
 from common import wire
+from net import tls
 from common.sample_count import SampleCount
 from common.wire import (Schema, boolean, int_sequence, integer, member, nullable, number, ring_vector,
                          sample_count, sample_count_sequence, text)
@@ -48,7 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from servers.store.job_records import JobRecord
 
 __all__ = ["GetState", "PeerState", "LastRound", "JobRow", "CloseRound", "RoundShare", "JobStart",
-           "JobFail", "CheckRound", "AggregateRound", "CloseRobustRound", "ModelDigest", "AdoptJob", "JobAgree",
+           "JobFail", "CheckRound", "WorkerAddresses", "AggregateRound", "CloseRobustRound", "ModelDigest", "AdoptJob", "JobAgree",
            "Confirmation", "JobReceipt", "PeerRequest", "parse_request",
            "params_key", "MAX_JOB_ROWS", "MAX_RECEIPT_BYTES"]
 
@@ -167,6 +168,22 @@ _COUNT = integer(0)
 _IDS = int_sequence
 _SIZES = sample_count_sequence      # |D_j| of the participants, in their order
 _DIGEST = text
+
+
+def _addresses(name: str, v: Any) -> tuple[tuple[str, int], ...]:
+    """``host:port`` of each of server 1's workers, worker k at index k (at most MAX_WORKERS)."""
+    if not isinstance(v, list) or len(v) > tls.MAX_WORKERS:
+        raise wire.WireError("bad_request", f"field {name!r} must be a list of at most {tls.MAX_WORKERS} addresses")
+    out = []
+    for k, a in enumerate(v):
+        host, _, port = text(f"{name}[{k}]", a).rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise wire.WireError("bad_request", f"field {name}[{k}] must be host:port, got {a!r}")
+        out.append((host, int(port)))
+    return tuple(out)
+
+
+_ADDRESSES = _Codec(_addresses, lambda v: [f"{h}:{p}" for h, p in v])
 
 
 def params_key(params: Mapping[str, Any]) -> str:
@@ -289,6 +306,16 @@ class CheckRound(_RoundSession):
     """The range check of the open round's uploads."""
 
     OP: ClassVar[str] = "check_round"
+
+
+@dataclass(frozen=True)
+class WorkerAddresses(_Message):
+    """Server 1's reply to :class:`CheckRound`: where its workers wait for server 0's (one per
+    coordinate shard, worker k first-come on an ephemeral port; empty for a server without
+    workers). Asked at every check because a worker that failed is replaced by one on a new port."""
+
+    SCHEMA: ClassVar[Schema] = Schema({"workers": _ADDRESSES})
+    workers: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, eq=False)

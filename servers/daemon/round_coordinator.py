@@ -41,6 +41,7 @@ import numpy as np
 from common.sample_count import METADATA_KEY, SampleCount, counts_from_metadata, counts_to_metadata
 from common.service_config import ServiceConfig
 
+from servers.secure.round_checks import check_round_uploads, open_round_session
 from servers.secure.robust_session import aggregate_digest, aggregate_round_uploads
 from servers.secure.robust_steps import robust_model
 from servers.secure.ring_aggregation import (
@@ -51,6 +52,7 @@ from servers.secure.ring_aggregation import (
 )
 from servers.daemon.service_state import ServiceState
 from servers.store.share_store import ShareStore
+from servers.workers.server_workers import PreparedCheck, ServerWorkers
 
 __all__ = ["RoundCoordinator"]
 
@@ -63,8 +65,10 @@ class RoundCoordinator:
     RANK: ClassVar[int]
 
     def __init__(self, cfg: ServiceConfig, store: ShareStore, state: ServiceState, *,
-                 stop: threading.Event, mpc_listener: socket.socket | None = None) -> None:
+                 stop: threading.Event, mpc_listener: socket.socket | None = None,
+                 workers: ServerWorkers | None = None) -> None:
         self.cfg = cfg
+        self.workers = workers     # None: one process; else the range check runs on coordinate shards
         self.store = store
         self.state = state
         self.stop_event = stop
@@ -97,6 +101,24 @@ class RoundCoordinator:
                      else self.store.staged_upload(r, j).update)
             terms.append((sizes[j], share))
         return weighted_share_sum(terms, self.store.dim)
+
+    def _check_uploads(self, r: int, parts: list[int], prepared: PreparedCheck | None,
+                       peer_workers: Sequence[tuple[str, int]] | None) -> list[int]:
+        """The participants whose staged upload is in range: in one 2PC session of the two
+        servers, or (with workers) on coordinate shards, the verdict in that session."""
+        if self.workers is None or prepared is None:
+            return check_round_uploads(self.RANK, self.cfg, self.store, r, parts, self.mpc_listener)
+        try:
+            party = open_round_session(self.RANK, self.cfg, r, "check", parts, self.mpc_listener)
+        except BaseException:
+            self.workers.release(prepared)
+            raise
+        try:
+            # a ticket per attempt, equal at both servers: the coordinators' session id
+            ticket = f"round:{r}:check-shards:{party.extras['session_id']}".encode()
+            return self.workers.check(prepared, party, ticket, peer_workers, self.store.precision)
+        finally:
+            party.close()
 
     def _round_model(self, r: int, a0: np.ndarray, a1: np.ndarray,
                      sizes: dict[int, SampleCount]) -> np.ndarray:

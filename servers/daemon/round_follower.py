@@ -27,12 +27,13 @@ from servers.daemon.peer_messages import (
     ModelDigest,
     PeerState,
     RoundShare,
+    WorkerAddresses,
 )
 from servers.daemon.round_coordinator import RoundCoordinator
-from servers.secure.round_checks import check_round_uploads
 from servers.secure.ring_aggregation import model_digest
 from servers.daemon.service_state import ServiceState
 from servers.store.share_store import ShareStore
+from servers.workers.server_workers import ServerWorkers
 
 __all__ = ["RoundFollower"]
 
@@ -45,8 +46,9 @@ class RoundFollower(RoundCoordinator):
     RANK: ClassVar[int] = 1
 
     def __init__(self, cfg: ServiceConfig, store: ShareStore, state: ServiceState, *,
-                 stop: threading.Event, mpc_listener: socket.socket | None) -> None:
-        super().__init__(cfg, store, state, stop=stop, mpc_listener=mpc_listener)
+                 stop: threading.Event, mpc_listener: socket.socket | None,
+                 workers: ServerWorkers | None = None) -> None:
+        super().__init__(cfg, store, state, stop=stop, mpc_listener=mpc_listener, workers=workers)
         # this server's latest range-check verdict of the open round, and the session threads
         self._passed: dict[int, set[int]] = {}
         self._check_thread: threading.Thread | None = None
@@ -66,21 +68,31 @@ class RoundFollower(RoundCoordinator):
             last = LastRound(T, parts, tuple(s[j] for j in parts), job)
         return PeerState(T, staged, last, tuple(jobs), busy)
 
-    def follow_check(self, msg: CheckRound) -> None:
-        """Join the leader's range check of the open round, in a thread."""
+    def follow_check(self, msg: CheckRound) -> WorkerAddresses:
+        """Join the leader's range check of the open round, in a thread; with workers, this
+        server's shares reach them first (a failure answers the leader at once) and the reply
+        says where they wait for server 0's."""
         r, parts = msg.round, list(msg.participants)
         if r != self.store.num_rounds + 1:
             raise ValueError(f"round {r} is not the open round {self.store.num_rounds + 1}")
         if self._check_thread is not None and self._check_thread.is_alive():
-            raise RuntimeError("a range check is already running")
+            if self.workers is None:
+                raise RuntimeError("a range check is already running")
+            # the leader asks again only after its own attempt failed: end ours, which may wait
+            # for a worker of server 0 that is gone, instead of letting it run to its timeout
+            self.workers.reset("server 0 started the range check again")
+            self._check_thread.join(10.0)
+            if self._check_thread.is_alive():
+                raise RuntimeError("a range check is still ending; the leader tries again")
         missing = [j for j in parts if j not in set(self.store.staged(r))]
         if missing:
             raise ValueError(f"clients {missing} have no staged upload for round {r} here")
         self._passed.pop(r, None)
+        prepared = self.workers.prepare(self.store, r, parts) if self.workers is not None else None
 
         def run() -> None:
             try:
-                passed = set(check_round_uploads(1, self.cfg, self.store, r, parts, self.mpc_listener))
+                passed = set(self._check_uploads(r, parts, prepared, None))
             except Exception:  # noqa: BLE001 - the leader's close then fails and is retried
                 log.exception("range check of round %d failed", r)
                 return
@@ -88,6 +100,7 @@ class RoundFollower(RoundCoordinator):
             self._passed[r] = passed
         self._check_thread = threading.Thread(target=run, name=f"check-{r}", daemon=True)
         self._check_thread.start()
+        return WorkerAddresses(self.workers.addresses() if self.workers is not None else ())
 
     def _checked_here(self, r: int, parts: list[int], refused: Sequence[int]) -> None:
         """Server 1: the leader closes with exactly the uploads our own check passed."""

@@ -36,12 +36,13 @@ from servers.daemon.peer_messages import (
     ModelDigest,
     PeerState,
     RoundShare,
+    WorkerAddresses,
 )
 from servers.daemon.round_coordinator import RoundCoordinator
-from servers.secure.round_checks import check_round_uploads
 from servers.secure.ring_aggregation import model_digest
 from servers.daemon.service_state import ServiceState
 from servers.store.share_store import ShareStore
+from servers.workers.server_workers import ServerWorkers
 
 __all__ = ["RoundLeader", "Jobs"]
 
@@ -64,8 +65,8 @@ class RoundLeader(RoundCoordinator):
     RANK: ClassVar[int] = 0
 
     def __init__(self, cfg: ServiceConfig, store: ShareStore, state: ServiceState, *,
-                 peer: PeerClient, stop: threading.Event) -> None:
-        super().__init__(cfg, store, state, stop=stop)
+                 peer: PeerClient, stop: threading.Event, workers: ServerWorkers | None = None) -> None:
+        super().__init__(cfg, store, state, stop=stop, workers=workers)
         self.peer = peer
 
     def expected_clients(self) -> int:
@@ -188,9 +189,17 @@ class RoundLeader(RoundCoordinator):
 
     def _range_check(self, r: int, parts: list[int]) -> list[int]:
         """Both servers check these uploads in 2PC (``servers.secure.round_checks``); the refused
-        are remembered for the round and left out of it."""
-        self.peer.call(CheckRound(r, tuple(parts)))
-        passed = check_round_uploads(0, self.cfg, self.store, r, parts, None)
+        are remembered for the round and left out of it. With workers, this server's shares go to
+        its workers first (a dead worker fails the attempt before server 1 is asked anything),
+        and server 1 answers where its workers wait."""
+        prepared = self.workers.prepare(self.store, r, parts) if self.workers is not None else None
+        try:
+            reply = WorkerAddresses.from_wire(self.peer.call(CheckRound(r, tuple(parts))))
+        except BaseException:
+            if prepared is not None:
+                self.workers.release(prepared)
+            raise
+        passed = self._check_uploads(r, parts, prepared, reply.workers)
         gone = sorted(set(parts) - set(passed))
         if gone:
             self._refused.setdefault(r, set()).update(gone)

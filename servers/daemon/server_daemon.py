@@ -63,6 +63,8 @@ from servers.daemon.round_follower import RoundFollower
 from servers.daemon.round_leader import RoundLeader
 from servers.daemon.service_state import ServiceState
 from servers.store.share_store import ShareStore
+from servers.workers.server_workers import ServerWorkers, missing_worker_keys
+from servers.workers.worker_group import ray_missing_message
 
 __all__ = ["ServerDaemon", "StartupError", "install_crash_points", "checkpoint"]
 
@@ -135,10 +137,12 @@ class ServerDaemon:
         else:
             self.peer = _WatchedPeer(cfg.keys_dir, cfg.server1.peer().address,
                                      timeout=cfg.limits.peer_timeout, max_bytes=cfg.limits.max_frame_bytes)
+        self.workers = self._workers()
         self.rounds: RoundCoordinator = (
-            RoundLeader(cfg, self.store, self.state, peer=self.peer, stop=self.stop_event)
+            RoundLeader(cfg, self.store, self.state, peer=self.peer, stop=self.stop_event, workers=self.workers)
             if self.peer is not None else
-            RoundFollower(cfg, self.store, self.state, stop=self.stop_event, mpc_listener=self._mpc_listener))
+            RoundFollower(cfg, self.store, self.state, stop=self.stop_event, mpc_listener=self._mpc_listener,
+                          workers=self.workers))
         self.jobs = JobScheduler(cfg, party, self.store, self.state, self.board,
                                  results_dir=self.data_dir / "results",
                                  mpc_listener=self._mpc_listener, peer=self.peer, stop=self.stop_event)
@@ -149,6 +153,39 @@ class ServerDaemon:
         log.info("%s: history with %d committed rounds, %d staged uploads for round %d",
                  self.name, self.store.num_rounds, len(self.store.staged(self.store.num_rounds + 1)),
                  self.store.num_rounds + 1)
+
+    def _workers(self) -> ServerWorkers | None:
+        """``[deployment] workers`` > 1: this server's workers (started by ``serve_forever``)."""
+        if self.cfg.workers == 1:
+            return None
+        missing = missing_worker_keys(self.cfg, self.party)
+        if missing:
+            raise StartupError(
+                f"{self.name}: [deployment] workers = {self.cfg.workers} in {self.cfg.path}, but "
+                f"{self.cfg.keys_dir} has no certificate for {', '.join(missing)}: issue them with "
+                f"`starfish keys issue --name {missing[0]}` (one per worker) or set workers = 1")
+        try:
+            import ray  # noqa: F401, PLC0415 - only to fail at start, not at the first round
+        except ImportError:
+            raise StartupError(f"{self.name}: {ray_missing_message()}") from None
+        workers = ServerWorkers(self.cfg, self.party, self.store.dim)
+        try:
+            workers.connect()     # here, in the main thread (``connect_cluster`` says why)
+        except Exception as exc:  # noqa: BLE001 - one line: what, where, what to do
+            where = f"ray_address = {self.cfg.ray_address!r}" if self.cfg.ray_address else "a local cluster"
+            raise StartupError(f"{self.name}: cannot reach its Ray cluster ({where}, [deployment] in "
+                               f"{self.cfg.path}): {str(exc).splitlines()[0][:300]}; start the cluster "
+                               "(`ray start --head` on this server's machines) or fix the address") from None
+        return workers
+
+    def _start_workers(self) -> None:
+        """Start the workers now rather than at the first round (a failure is logged; each round
+        tries again)."""
+        try:
+            assert self.workers is not None
+            self.workers.ensure()
+        except Exception as exc:  # noqa: BLE001 - the round's attempt reports it again
+            log.warning("%s: the workers did not start: %s", self.name, str(exc).splitlines()[0][:300])
 
     def _listen(self, key: str, port: int) -> socket.socket:
         host = self.cfg.server(self.party).host
@@ -196,8 +233,11 @@ class ServerDaemon:
 
     def health(self) -> dict:
         """What ``status`` adds: what this daemon waits for, why clients are left out of the open round."""
-        return {"waiting_for": self.waiting_for(),
-                "left_out": {str(j): why for j, why in sorted(self._left_out.items())}}
+        out = {"waiting_for": self.waiting_for(),
+               "left_out": {str(j): why for j, why in sorted(self._left_out.items())}}
+        if self.workers is not None:
+            out["workers"] = self.workers.state()
+        return out
 
     def _one_sided(self) -> dict[int, str]:
         """Server 0: the clients of the open round that the round cannot take, and why.
@@ -292,6 +332,8 @@ class ServerDaemon:
             threads.append(threading.Thread(target=self.rounds.lead_forever, args=(self.jobs,),
                                             name="leader", daemon=True))
             threads.append(threading.Thread(target=self._watch_rounds, name="round-watch", daemon=True))
+        if self.workers is not None:
+            threads.append(threading.Thread(target=self._start_workers, name="workers-start", daemon=True))
         for t in threads:
             t.start()
         write_private(self.data_dir / "ready.json", json.dumps({"pid": os.getpid(), "party": self.party}).encode())
@@ -321,6 +363,8 @@ class ServerDaemon:
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
         self.jobs.join(max(0.0, deadline - time.monotonic()))
+        if self.workers is not None:
+            self.workers.shutdown()
         busy = [t.name for t in threading.enumerate()
                 if t.name.startswith(("check-", "aggregate-", "job"))] \
             + [t.name for t in threads if t.is_alive()]
@@ -346,8 +390,7 @@ class ServerDaemon:
         if isinstance(req, CloseRound):
             return rounds.follow_close(req).to_wire()
         if isinstance(req, CheckRound):
-            rounds.follow_check(req)
-            return {}
+            return rounds.follow_check(req).to_wire()
         if isinstance(req, AggregateRound):
             rounds.follow_aggregate(req)
             return {}

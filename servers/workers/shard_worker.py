@@ -22,6 +22,7 @@ import os
 import resource
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -45,6 +46,15 @@ def _plain(exc: BaseException) -> WorkerError:
     left the coordinator with "Failed to deserialize exception" instead of the reason."""
     text = str(exc).strip().splitlines()
     return WorkerError(f"{type(exc).__name__}: {text[0][:500] if text else ''}")
+
+
+def _machine_address() -> str:
+    """This machine's address as its Ray node knows it (a worker listening on every interface);
+    outside Ray, the address of its host name."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return socket.gethostbyname(socket.gethostname())
 
 
 class ShardWorker:
@@ -88,6 +98,8 @@ class ShardWorker:
         if self._listener is None:
             return None
         host, port = self._listener.getsockname()[:2]
+        if host in ("0.0.0.0", "::"):    # every interface: server 0's worker needs one it can reach
+            host = _machine_address()
         return host, port
 
     def open(self, ticket: bytes, peer_address: tuple[str, int] | None = None) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 from .shard_worker import ShardWorker, WorkerError
 from .shards import shard_bounds, split
 
-__all__ = ["WorkerGroup", "ray_missing_message"]
+__all__ = ["WorkerGroup", "connect_cluster", "ray_missing_message"]
 
 
 def ray_missing_message() -> str:
@@ -38,6 +38,26 @@ def _ray():
     except ImportError:
         raise RuntimeError(ray_missing_message()) from None
     return ray
+
+
+def connect_cluster(rank: int, workers: int, *, ray_address: str | None = None,
+                    ray_dir: str | os.PathLike | None = None, cpus_per_worker: float = 1.0) -> None:
+    """Connect this process to server ``rank``'s own Ray cluster (once; a local one if no address).
+
+    Call it from the thread that lives as long as the process (a daemon's main thread): Ray ties
+    a local cluster's processes to the thread that started them (the kernel's parent-death
+    signal fires when that *thread* ends), and a cluster started from a short-lived thread lost
+    its control store a second after the thread returned."""
+    ray = _ray()
+    if ray.is_initialized():
+        return
+    # a local cluster never spills objects to disk: the shares a coordinator hands its workers
+    # pass through the object store, and erasure must not have to find them in spill files
+    local = {} if ray_address else {"num_cpus": max(os.cpu_count() or 1, int(workers * cpus_per_worker)),
+                                    "_temp_dir": str(ray_dir) if ray_dir else None,
+                                    "_system_config": {"automatic_object_spilling_enabled": False}}
+    ray.init(address=ray_address, namespace=f"starfish-server{rank}", include_dashboard=False,
+             log_to_driver=False, configure_logging=False, **local)
 
 
 class WorkerGroup:
@@ -54,11 +74,7 @@ class WorkerGroup:
         ray = self._ray = _ray()
         self.rank, self.workers = rank, workers
         self.bounds = shard_bounds(dim, workers)
-        if not ray.is_initialized():
-            local = {} if ray_address else {"num_cpus": max(os.cpu_count() or 1, int(workers * cpus_per_worker)),
-                                            "_temp_dir": str(ray_dir) if ray_dir else None}
-            ray.init(address=ray_address, namespace=f"starfish-server{rank}", include_dashboard=False,
-                     log_to_driver=False, configure_logging=False, **local)
+        connect_cluster(rank, workers, ray_address=ray_address, ray_dir=ray_dir, cpus_per_worker=cpus_per_worker)
         actor = ray.remote(ShardWorker).options(num_cpus=cpus_per_worker, max_restarts=0)
         self.actors = [actor.remote(rank, k, str(keys_dir), **worker_options) for k in range(workers)]
         try:

@@ -21,10 +21,10 @@ class Deployment:
     the two-party service has tests of its own (``test_service_two_party.py`` and others)."""
 
     def __init__(self, root: Path, *, clients: int, overrides: dict[str, dict[str, Any]],
-                 offline: str = "dealer") -> None:
+                 offline: str = "dealer", workers: int = 1) -> None:
         self.root = root
         self.config_path = write_scratch_deployment(root, clients=clients, overrides=overrides,
-                                                    offline=offline)
+                                                    offline=offline, workers=workers)
         self.cfg: ServiceConfig = load_config(self.config_path)
         self.procs = ProcessGroup(root / "logs")
         self.env = {k: v for k, v in os.environ.items() if k != "STARFISH_CRASH_AT"}
@@ -74,3 +74,37 @@ class Deployment:
 
     def close(self) -> None:
         self.procs.stop_all()
+
+
+def job_model(rec: dict) -> Any:
+    """The model of a ``job_status`` reply (``with_model=True``) as a numpy array."""
+    from common import wire  # noqa: PLC0415
+    return wire.decode_tensor(rec["model"], "model", ("<f8",), tuple(rec["model"]["shape"]))
+
+
+def stage2_twin(dep: Deployment, summary: dict, result: dict, targets: list[int], clients: int,
+                erased: tuple[int, ...] = ()) -> Any:
+    """The plaintext Stage II of a job the servers ran (``result``: its ``job_status`` result):
+    the same rounds of the clients' twin history, less ``erased``, with the same parameters and
+    the simulated clients' exact updates (the oracle of the service tests)."""
+    import argparse  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from clients.simulator import build_federation  # noqa: PLC0415
+    from lab.history import NpzHistory  # noqa: PLC0415
+    from protocols.starfish import run_stage2  # noqa: PLC0415
+    from protocols.starfish.ports import history_prefix, without_clients  # noqa: PLC0415
+    from servers.secure.unlearning_jobs import starfish_params  # noqa: PLC0415
+    from starfish.service_commands import federation_spec  # noqa: PLC0415
+
+    args = argparse.Namespace(dataset=None, data_dir=None, n=clients, seed=None, backdoor="0",
+                              epochs=None, lr=None, train_limit=None)
+    fed = build_federation(federation_spec(dep.cfg, args))
+
+    class Plain:
+        def exact_updates(self, r, model, ids):
+            return {j: fed.clients[j].train(model, r).update.to(torch.float64) for j in ids}
+
+    seen = without_clients(history_prefix(NpzHistory(summary["twin_dir"]), result["rounds"]), erased)
+    return run_stage2(None, seen, list(targets), starfish_params(dep.cfg), Plain())

@@ -10,7 +10,6 @@ dealer's configured port, and ``starfish dealer`` refuses to start for this conf
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import subprocess
@@ -18,17 +17,9 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
-from clients.simulator import build_federation
-from common import wire
-from protocols.starfish import run_stage2
-from protocols.starfish.ports import history_prefix
-from lab.history import NpzHistory
 from servers.store.share_store import ShareStore
-from servers.secure.unlearning_jobs import starfish_params
-from starfish.service_commands import federation_spec
-from tests.helpers.service_harness import Deployment
+from tests.helpers.service_harness import Deployment, job_model, stage2_twin
 
 pytestmark = pytest.mark.timeout(600)
 N, FL_ROUNDS, ASK_AT = 3, 4, 3
@@ -70,10 +61,6 @@ def _listening(address) -> bool:
         return False
 
 
-def _model(rec):
-    return wire.decode_tensor(rec["model"], "model", ("<f8",), tuple(rec["model"]["shape"]))
-
-
 def test_no_dealer_exists_and_none_may_start(run):
     dep, _, _, dealer_port_open, names = run
     assert dep.cfg.offline == "two-party"
@@ -87,27 +74,18 @@ def test_no_dealer_exists_and_none_may_start(run):
 def test_the_job_is_adopted_and_equals_the_plaintext_twin(run):
     dep, summary, recs, _, _ = run
     assert [r["state"] for r in recs] == ["done", "done"]
-    assert np.array_equal(_model(recs[0]), _model(recs[1]))
+    assert np.array_equal(job_model(recs[0]), job_model(recs[1]))
     assert summary["fedavg_max_abs_error"] < 1e-4
     assert summary["refused_uploads"]["0"].startswith("forgotten")
-    args = argparse.Namespace(dataset=None, data_dir=None, n=N, seed=None, backdoor="0",
-                              epochs=None, lr=None, train_limit=None)
-    fed = build_federation(federation_spec(dep.cfg, args))
-
-    class Plain:
-        def exact_updates(self, r, model, ids):
-            return {j: fed.clients[j].train(model, r).update.to(torch.float64) for j in ids}
-
     res = recs[0]["result"]
-    twin = NpzHistory(summary["twin_dir"])
-    plain = run_stage2(None, history_prefix(twin, res["rounds"]), [0], starfish_params(dep.cfg), Plain())
+    plain = stage2_twin(dep, summary, res, [0], N)
     assert res["selected_rounds"] == plain.selected_rounds
     assert {int(k): v for k, v in res["flags"].items()} == plain.flags
-    assert np.abs(_model(recs[0]) - plain.model.numpy()).max() < 1e-3
+    assert np.abs(job_model(recs[0]) - plain.model.numpy()).max() < 1e-3
     for p in (0, 1):
         with ShareStore(dep.cfg.data_dir(p) / "store", party=p) as st:
             assert st.round_kind(ASK_AT + 1) == "unlearning" and sorted(st.forgotten()) == [0]
-            assert np.array_equal(st.model(ASK_AT + 1), _model(recs[0]))
+            assert np.array_equal(st.model(ASK_AT + 1), job_model(recs[0]))
 
 
 def test_the_job_metered_the_engine_and_no_dealer(run):

@@ -1,0 +1,190 @@
+"""A server daemon's workers (``[deployment] workers`` > 1): kept across rounds, replaced after a failure.
+
+Why a keeper of its own: the daemon's rounds (and later its jobs) need the same K workers again
+and again (a Ray actor and its pair's link take seconds to start), but a worker that died, or
+whose pair's session broke, must not poison the next attempt. So every failure of a sharded
+step ends this server's workers (``WorkerGroup.stop_workers``; the store still holds every share,
+so nothing committed is lost) and the next attempt starts new ones on new ports; server 1 tells
+server 0 where its workers listen at every check (``WorkerAddresses``).
+
+A sharded range check is two halves, because the servers meet in between: :meth:`prepare`
+(this server's shares of the staged uploads to the workers, shard k to worker k; fails fast on
+a dead worker before the peer is asked anything) and :meth:`check` (the pairs' sessions and the
+coordinators' verdict, ``sharded_round.check_on_shards``).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from common.service_config import ServiceConfig
+from net import tls
+from servers.store.share_store import ShareStore
+
+from .sharded_round import check_on_shards
+from .worker_group import WorkerGroup, connect_cluster
+
+__all__ = ["ServerWorkers", "PreparedCheck", "missing_worker_keys"]
+
+log = logging.getLogger("starfish.server")
+
+
+def missing_worker_keys(cfg: ServiceConfig, rank: int) -> list[str]:
+    """The certificate names of this server's workers that ``keys_dir`` lacks."""
+    out = []
+    for k in range(cfg.workers):
+        name = tls.party_name(rank, k)
+        try:
+            tls.identity(cfg.keys_dir, name)
+        except FileNotFoundError:
+            out.append(name)
+    return out
+
+
+@dataclass(frozen=True)
+class PreparedCheck:
+    """What :meth:`ServerWorkers.prepare` left at the workers for one check."""
+
+    round: int
+    participants: tuple[int, ...]
+    names: tuple[str, ...]          # the workers' names of each participant's update shares
+    norms: np.ndarray               # this server's shares of the reported norms, (n,)
+    deltas: np.ndarray              # and of the thresholds delta_j, (n,)
+
+
+class ServerWorkers:
+    """Server ``rank``'s ``cfg.workers`` workers for a model of ``dim`` coordinates."""
+
+    def __init__(self, cfg: ServiceConfig, rank: int, dim: int) -> None:
+        self.cfg, self.rank, self.dim = cfg, rank, dim
+        self._group: WorkerGroup | None = None
+        self._lock = threading.RLock()
+        self._ray_dir: str | None = None
+        self.starts = 0                        # groups started so far (status)
+        self.last_failure: str | None = None   # why the last group was ended (status)
+
+    # ------------------------------------------------------------------ the group's life
+    def _options(self) -> dict[str, Any]:
+        me = self.cfg.server(self.rank)
+        opts: dict[str, Any] = {"offline": str(self.cfg.offline.value), "timeout": self.cfg.limits.peer_timeout,
+                                "listen_host": me.worker_host or me.host}
+        if opts["offline"] == "dealer":
+            opts["dealer_address"] = self.cfg.dealer.endpoint().address
+        return opts
+
+    def connect(self) -> None:
+        """Join (or start) this server's Ray cluster: from the daemon's main thread
+        (``worker_group.connect_cluster`` says why)."""
+        with self._lock:
+            if not self.cfg.ray_address and self._ray_dir is None:
+                # short: Ray's sockets live under it (AF_UNIX paths end at 107 bytes)
+                self._ray_dir = tempfile.mkdtemp(prefix=f"sfray{self.rank}-")
+            connect_cluster(self.rank, self.cfg.workers, ray_address=self.cfg.ray_address or None,
+                            ray_dir=self._ray_dir)
+
+    def ensure(self) -> WorkerGroup:
+        """This server's live group, started (seconds) if there is none."""
+        with self._lock:
+            if self._group is None:
+                t0 = time.monotonic()
+                self.connect()
+                self._group = WorkerGroup(self.rank, self.cfg.keys_dir, self.cfg.workers, self.dim,
+                                          ray_address=self.cfg.ray_address or None, ray_dir=self._ray_dir,
+                                          **self._options())
+                self.starts += 1
+                wait = "".join(f" {h}:{p}" for h, p in self._peer_side())
+                log.info("%s: %d workers up in %.1fs%s", tls.PARTY_NAMES[self.rank], self.cfg.workers,
+                         time.monotonic() - t0, f", waiting for their peers at{wait}" if wait else "")
+            return self._group
+
+    def _peer_side(self) -> list[tuple[str, int]]:
+        assert self._group is not None
+        return [a for a in self._group.addresses if a is not None]
+
+    def addresses(self) -> tuple[tuple[str, int], ...]:
+        """Where this server's workers wait for their peers (server 1; empty for server 0)."""
+        return tuple(self._peer_side()) if self.rank == 1 else ()
+
+    def reset(self, why: str) -> None:
+        """End the current workers (the next attempt starts new ones)."""
+        with self._lock:
+            group, self._group = self._group, None
+            self.last_failure = why
+        if group is not None:
+            log.warning("%s: ending the workers after a failure (%s); new ones start for the next "
+                        "attempt", tls.PARTY_NAMES[self.rank], why)
+            group.stop_workers()
+
+    def state(self) -> list[dict[str, Any]]:
+        """Each worker's state for ``status`` (or that none is running now)."""
+        group = self._group
+        if group is None:
+            return [{"name": tls.party_name(self.rank, k), "state": "not running",
+                     **({"last_failure": self.last_failure} if self.last_failure else {})}
+                    for k in range(self.cfg.workers)]
+        return [{"state": "error" if "error" in s else "up", **s} for s in group.state()]
+
+    def shutdown(self) -> None:
+        with self._lock:
+            group, self._group = self._group, None
+        if group is not None:
+            group.shutdown()
+        if self._ray_dir is not None:
+            shutil.rmtree(self._ray_dir, ignore_errors=True)
+
+    def _guarded(self, step: Callable[[WorkerGroup], Any]) -> Any:
+        group = self.ensure()
+        try:
+            return step(group)
+        except BaseException as exc:
+            self.reset(str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__)
+            raise
+
+    # ------------------------------------------------------------------ the range check
+    def prepare(self, store: ShareStore, r: int, participants: Sequence[int]) -> PreparedCheck:
+        """This server's shares of round ``r``'s staged uploads, shard k to worker k."""
+        parts = tuple(participants)
+        names = tuple(f"round{r}/client{j}" for j in parts)
+
+        def scatter(group: WorkerGroup) -> PreparedCheck:
+            ups = [store.staged_upload(r, j) for j in parts]
+            for n, u in zip(names, ups):
+                group.scatter(n, u.update)
+            return PreparedCheck(r, parts, names, np.array([int(u.norm.reshape(-1)[0]) for u in ups], np.int64),
+                                 np.array([int(u.delta.reshape(-1)[0]) for u in ups], np.int64))
+        return self._guarded(scatter)
+
+    def check(self, prepared: PreparedCheck, party: Any, ticket: bytes,
+              peer_addresses: Sequence[tuple[str, int]] | None, precision: int) -> list[int]:
+        """The participants whose upload is in range: the pairs' sessions ``ticket`` (server 0
+        passes server 1's ``peer_addresses``), the coordinators' verdict in ``party``."""
+        if peer_addresses is not None and len(peer_addresses) != self.cfg.workers:
+            raise RuntimeError(f"server 1 runs {len(peer_addresses)} workers and this server "
+                               f"{self.cfg.workers}: [deployment] workers must be the same at both servers")
+
+        def run(group: WorkerGroup) -> list[int]:
+            group.open(ticket, list(peer_addresses) if peer_addresses is not None else None)
+            bits = check_on_shards(group, party, prepared.names, prepared.norms, prepared.deltas,
+                                   precision=precision)
+            group.close()
+            group.drop(list(prepared.names))
+            return [j for j, ok in zip(prepared.participants, bits) if ok]
+        return self._guarded(run)
+
+    def release(self, prepared: PreparedCheck) -> None:
+        """Drop a prepared check's shares that no check consumed (its round moved on)."""
+        group = self._group
+        if group is not None:
+            try:
+                group.drop(list(prepared.names))
+            except Exception as exc:  # noqa: BLE001 - a dead worker's shares are gone with it
+                self.reset(str(exc).splitlines()[0][:300])

@@ -1,0 +1,170 @@
+"""The service with each server as a coordinator and 2 Ray workers (``[deployment] workers = 2``).
+
+3 clients, 4 FL rounds, each closed after a range check on coordinate shards (each worker pair
+checks its shard, the coordinators decide); client 0 asks to be forgotten after round 2; server
+0's worker 1 is killed (SIGKILL) once round 1 is committed, with the next round open. Oracles:
+plaintext FedAvg for every FL round (the clients' own check), the plaintext Stage II on the twin
+history, what ``status`` shows (every worker up before, a new group of workers after the kill:
+other process ids; the killed one named in server 0's log), and a byte scan after the erasure of
+every place a worker of either server keeps files (its temporary directory, its server's Ray
+directory) and of the stores, for the forgotten client's shares as each worker held them.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+from clients.share_seeds import disk_traces, find_traces, seeded_shares
+from lab.history import NpzHistory
+from net import tls
+from servers.store.share_store import ShareStore
+from servers.workers.shards import shard_bounds
+from tests.helpers.service_harness import Deployment, job_model, stage2_twin
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.timeout(900)
+N, FL_ROUNDS, ASK_AT, K = 3, 4, 2, 2
+
+
+def _status(dep, party):
+    with dep.client("admin", party) as c:
+        return c.call("status")
+
+
+def _wait(what, ok, timeout, dep):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = ok()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"{what} within {timeout}s\n" + dep.log("server0") + dep.log("server1"))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    dep = Deployment(tmp_path_factory.mktemp("workers"), clients=N, workers=K,
+                     overrides={"fl": {"rounds": FL_ROUNDS, "min_clients": 2}})
+    try:
+        dep.start("dealer", ["dealer"])
+        dep.start_server(1)
+        dep.start_server(0)
+        dep.wait_ready()
+        before = [_wait(f"server {p}'s workers up", lambda p=p: (lambda w: w if w and all(
+            x["state"] == "up" for x in w) else None)(_status(dep, p).get("workers")), 180, dep)
+            for p in (0, 1)]
+        clients = dep.start("clients", ["clients", "--n", str(N), "--backdoor", "0", "--unlearn", f"0@{ASK_AT}",
+                                        "--twin-dir", str(dep.root / "twin"),
+                                        "--summary", str(dep.root / "summary.json"), "--max-seconds", "600"])
+        _wait("round 1 committed", lambda: _status(dep, 0)["T"] >= 1, 300, dep)
+        victim = before[0][1]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        assert clients.wait(700) == 0, dep.log("clients") + dep.log("server0") + dep.log("server1")
+        summary = json.loads((dep.root / "summary.json").read_text())
+        after = [_status(dep, p)["workers"] for p in (0, 1)]
+        job = next(iter(summary["jobs"]))
+        recs = []
+        for p in (0, 1):
+            with dep.client("admin", p) as c:
+                recs.append(c.call("job_status", job=job, with_model=True))
+        with dep.client("client-1", 0) as c:
+            client_view = c.call("status")
+        cli = subprocess.run([sys.executable, "-m", "starfish.cli", "status", "--config", str(dep.config_path)],
+                             capture_output=True, text=True, timeout=120)
+        scans = _scan_while_running(dep, summary)
+    finally:
+        dep.close()
+    yield dep, summary, before, after, victim, recs, client_view, cli, scans
+
+
+def _worker_dirs(dep, p):
+    """Where server p's workers and its Ray cluster keep files (``ShardWorker``, ``ServerWorkers``)."""
+    tag = hashlib.sha256(os.path.abspath(dep.cfg.keys_dir).encode()).hexdigest()[:8]
+    tmp = tempfile.gettempdir()
+    return [os.path.join(tmp, f"starfish-{tls.party_name(p, k)}-{tag}") for k in range(K)] \
+        + glob.glob(os.path.join(tmp, f"sfray{p}-*"))
+
+
+def _scan_while_running(dep, summary):
+    """Per server: the worker directories scanned, and what the scans of those and of the store
+    found of client 0's shares (forgotten) and client 1's (kept), as a worker or the store held them."""
+    twin = NpzHistory(summary["twin_dir"])
+    bounds = shard_bounds(twin.model(0).numel(), K)
+    out = {}
+    for p in (0, 1):
+        found = {}
+        for c in (0, 1):
+            key = tls.identity(dep.cfg.keys_dir, f"client-{c}").key.read_bytes()
+            stored, held = [], []
+            for r in range(1, twin.num_rounds + 1):
+                if c not in twin.participants(r):
+                    continue
+                shares = seeded_shares(key, f"round/{r}", {"update": twin.update(r, c).numpy()}, 16)
+                stored += disk_traces(shares)[p]
+                ring = (shares["update"].materialize_share0() if p == 0 else shares["update"].share1).reshape(-1)
+                held += [ring[lo:lo + 8].astype("<i8").tobytes() for lo, _ in bounds]
+            dirs = [d for d in _worker_dirs(dep, p) if os.path.isdir(d)]
+            found[c] = {"store": find_traces(dep.cfg.data_dir(p), stored),
+                        "workers": [h for d in dirs for h in find_traces(d, held)]}
+        out[p] = {"dirs": dirs, "found": found}
+    return out
+
+
+def test_every_fl_round_equals_plaintext_fedavg(run):
+    dep, summary, *_ = run
+    assert summary["T"] == FL_ROUNDS + 1                   # 4 FL rounds and the adoption
+    assert summary["fedavg_max_abs_error"] < 1e-4
+    for p in (0, 1):
+        with ShareStore(dep.cfg.data_dir(p) / "store", party=p) as st:
+            assert st.fl_rounds == FL_ROUNDS and sorted(st.forgotten()) == [0]
+
+
+def test_status_shows_each_worker_and_a_killed_one_is_replaced(run):
+    dep, _, before, after, victim, _, client_view, cli, _ = run
+    for p in (0, 1):
+        assert [w["name"] for w in before[p]] == [f"server{p}-w{k}" for k in range(K)]
+        assert all(w["state"] == "up" and w["pid"] > 0 for w in before[p])
+    assert all(w["state"] == "up" for w in after[0])
+    assert victim not in {w["pid"] for w in after[0]}      # the round closed on new workers
+    log = dep.log("server0", 400)
+    assert "server0-w1 is gone" in log and "ending the workers after a failure" in log
+    assert "workers" not in client_view                    # the operator's, not a client's
+    assert cli.returncode == 0, cli.stderr
+    for p in (0, 1):
+        for k in range(K):
+            assert f"worker server{p}-w{k}: up" in cli.stdout, cli.stdout
+
+
+def test_the_job_is_adopted_at_both_servers_and_equals_the_twin(run):
+    dep, summary, _, _, _, recs, *_ = run
+    assert [r["state"] for r in recs] == ["done", "done"]
+    assert np.array_equal(job_model(recs[0]), job_model(recs[1]))
+    assert summary["refused_uploads"]["0"].startswith("forgotten")
+    res = recs[0]["result"]
+    plain = stage2_twin(dep, summary, res, [0], N)
+    assert res["selected_rounds"] == plain.selected_rounds
+    assert {int(k): v for k, v in res["flags"].items()} == plain.flags
+    assert np.abs(job_model(recs[0]) - plain.model.numpy()).max() < 1e-3
+
+
+def test_erasure_reaches_every_worker(run):
+    *_, scans = run
+    for p in (0, 1):
+        # every worker's directory and the server's Ray directory existed and were read
+        dirs = scans[p]["dirs"]
+        assert sum(f"starfish-server{p}-w" in d for d in dirs) == K and any("sfray" in d for d in dirs), dirs
+        found = scans[p]["found"]
+        assert found[1]["store"], "the scan must find a kept client's shares in the store"
+        assert found[0]["store"] == [] and found[0]["workers"] == []
+        assert found[1]["workers"] == []       # workers drop (zero) every share after a check
