@@ -21,7 +21,7 @@ from . import backend as B
 from .backend import Tensor
 from .compare import ge
 
-__all__ = ["any_exceeds"]
+__all__ = ["any_exceeds", "exceed_counts", "flags_from_counts"]
 
 
 def any_exceeds(x: Tensor, d: Tensor) -> torch.Tensor:
@@ -33,6 +33,19 @@ def any_exceeds(x: Tensor, d: Tensor) -> torch.Tensor:
         x = torch.as_tensor(x, dtype=torch.float64)
         d = torch.as_tensor(d, dtype=torch.float64)
         return (x * x >= (d * d).unsqueeze(-1)).any(dim=-1)
+    return flags_from_counts(exceed_counts(x, d))
+
+
+def exceed_counts(x: Tensor, d: Tensor) -> Tensor:
+    """Shares of the number of coordinates of each row with ``x**2 >= d**2`` (2PC; nothing
+    opened): the part of :func:`any_exceeds` that adds over coordinate shards (issue 30: each
+    worker pair counts its shard's, each coordinator adds its shares of the counts).
+    ``d``: one shared or public threshold per row, the shape of ``x.shape[:-1]``. Plaintext:
+    the counts themselves."""
+    if not B.any_shared(x, d):
+        x = torch.as_tensor(x, dtype=torch.float64)
+        d = torch.as_tensor(d, dtype=torch.float64)
+        return (x * x >= (d * d).unsqueeze(-1)).sum(dim=-1)
     if not B.is_shared(d):
         d = torch.as_tensor(d, dtype=torch.float64)
     rows = tuple(x.shape[:-1])
@@ -43,6 +56,11 @@ def any_exceeds(x: Tensor, d: Tensor) -> torch.Tensor:
     sq = B.raw_square(B.cat([B.to_shared_like(x), B.to_shared_like(d).unsqueeze(-1)], dim=-1))
     x2 = sq[..., :-1]
     d2 = sq[..., -1:]
-    flags = ge(x2, d2)
-    count = flags.sum(-1)
+    return ge(x2, d2).sum(-1)
+
+
+def flags_from_counts(count: Tensor) -> torch.Tensor:
+    """The per-row OR from (summed) :func:`exceed_counts`: one comparison, one opened bit per row."""
+    if not B.is_shared(count):
+        return torch.as_tensor(count) >= 1
     return B.reveal(ge(count, 1)).to(torch.bool)

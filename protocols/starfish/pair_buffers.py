@@ -37,31 +37,23 @@ from protocols.inner_product import inner
 
 from protocols.backend import is_shared, reveal, stack
 
-__all__ = ["PairBuffers", "MIN_COSINE", "curvature_ok"]
+__all__ = ["PairBuffers", "MIN_COSINE", "curvature_ok", "curvature_sums", "curvature_decide"]
 
 MIN_COSINE = 0.01
 
 
-def curvature_ok(s: torch.Tensor, ys: Sequence[Any], min_cos: float = MIN_COSINE,
-                 masked: Sequence[Any] | None = None) -> list[bool]:
-    """Per secant y in ``ys`` (shared or plain), whether y^T s > 0 and cos(y, s) >= min_cos.
+def curvature_sums(s: torch.Tensor, ys: Sequence[Any], masked: Sequence[Any] | None = None) -> tuple[float, Any, Any]:
+    """s^T s (public), and per secant y in ``ys``: y^T s and y^T y (shared or plain, (k,)).
 
-    2PC: y^T s (shared x public) and y^T y (shared x shared) as inner products, the squared
-    test on raw products (no truncation of the small values), two sign tests and their AND
-    (one product of bits); opens only the accept bits. ``masked`` (dealer mode): the ys with
-    their Beaver masks opened (``mpc.reused_masks``), which give y^T y with no further opening.
-    """
-    if not ys:
-        return []
+    Sums over coordinates: a coordinate shard's sums are its part of the whole (issue 30).
+    2PC: y^T s (shared x public) and y^T y (shared x shared) as inner products; ``masked``
+    (dealer mode): the ys with their Beaver masks opened (``mpc.reused_masks``), which give
+    y^T y with no further opening."""
     ss = float((s.double() * s.double()).sum())
-    c2ss = min_cos * min_cos * ss
     if not any(is_shared(y) for y in ys):
-        out = []
-        for y in ys:
-            y = torch.as_tensor(y, dtype=torch.float64)
-            u = float((y * s.double()).sum())
-            out.append(u > 0 and u * u >= c2ss * float((y * y).sum()))
-        return out
+        ys = [torch.as_tensor(y, dtype=torch.float64) for y in ys]
+        return (ss, torch.stack([(y * s.double()).sum() for y in ys]),
+                torch.stack([(y * y).sum() for y in ys]))
     Y = stack([B.to_shared_like(y) for y in ys])
     u = inner(Y, s.to(torch.float64), dim=-1)          # (k,) at F bits
     if masked is not None:   # sum (e + a)^2 from the opened masks, then one truncation
@@ -69,6 +61,17 @@ def curvature_ok(s: torch.Tensor, ys: Sequence[Any], min_cos: float = MIN_COSINE
         yy = B.rescale(B.relabel(raw, 2 * B.frac_bits()))
     else:
         yy = inner(Y, Y, dim=-1)                        # (k,) at F bits
+    return ss, u, yy
+
+
+def curvature_decide(ss: float, u: Any, yy: Any, min_cos: float = MIN_COSINE) -> list[bool]:
+    """Per pair, whether y^T s > 0 and (y^T s)^2 >= min_cos^2 (y^T y)(s^T s), from the sums.
+
+    2PC: the squared test on raw products (no truncation of the small values), two sign tests
+    and their AND (one product of bits); opens only the accept bits."""
+    c2ss = min_cos * min_cos * ss
+    if not B.any_shared(u, yy):
+        return [bool(a > 0 and a * a >= c2ss * b) for a, b in zip(u.tolist(), yy.tolist())]
     u2 = B.relabel(B.raw_mul(u, u), 2 * B.frac_bits())  # (y^T s)^2 at 2F bits
     e = min(int(B.public_exponent(torch.tensor(c2ss))), 24)  # keeps the lifted ring below 2**62 for |y^T s| < 2**11
     rhs = B.relabel(B.relabel(yy, 0) * int(round(c2ss * 2.0 ** e)), B.frac_bits() + e)
@@ -80,6 +83,15 @@ def curvature_ok(s: torch.Tensor, ys: Sequence[Any], min_cos: float = MIN_COSINE
     # u = 0 passes the sign test; the plaintext rule wants u > 0: a zero u with a passing square
     # test needs y^T y s^T s = 0, i.e. y = 0, which the twin rejects too (0 > 0 is false)
     return [bool(v > 0.5) for v in strictly]
+
+
+def curvature_ok(s: torch.Tensor, ys: Sequence[Any], min_cos: float = MIN_COSINE,
+                 masked: Sequence[Any] | None = None) -> list[bool]:
+    """Per secant y in ``ys`` (shared or plain), whether y^T s > 0 and cos(y, s) >= min_cos:
+    :func:`curvature_decide` on :func:`curvature_sums`."""
+    if not ys:
+        return []
+    return curvature_decide(*curvature_sums(s, ys, masked), min_cos)
 
 
 class PairBuffers:

@@ -28,6 +28,7 @@ does each step for all n-1 clients in the same communication rounds.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,7 +40,8 @@ from protocols.inverse import inverse_masked
 
 from protocols.backend import is_shared, lmatmul, mul_mask, transpose
 
-__all__ = ["compact_hvp", "estimate_updates", "default_inverse"]
+__all__ = ["compact_hvp", "estimate_updates", "default_inverse", "HvpSums", "HvpCoefficients",
+           "hvp_sums", "hvp_solve", "hvp_apply"]
 
 Inverse = Callable[[Any], Any]
 
@@ -56,29 +58,62 @@ def _placements(b: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]
     return torch.cat([eye, zero]), torch.cat([zero, eye])
 
 
-def compact_hvp(S: torch.Tensor, Y: Any, v: torch.Tensor, inverse: Inverse | None = None,
-                y_masks: Sequence[Sequence[Any]] | None = None) -> Any:
-    """H v for the BFGS matrix defined by the pairs (S, Y); see the module docstring.
+@dataclass(frozen=True)
+class HvpSums:
+    """The sums over coordinates that H v needs (phase 1 of :func:`compact_hvp`).
 
-    Shapes: ``S`` (..., m, B) public, ``Y`` (..., m, B) shared or plain, ``v`` (..., m)
-    or (m,) public. Returns (..., m), shared iff Y is. Columns are oldest first, so the
-    last column is the most recent pair (the one sigma is taken from). ``y_masks`` (2PC,
-    dealer mode; ``PairBuffers.masked_columns``): Y's columns with their Beaver masks already
-    opened, one row per client (S of shape (rows, m, B)), so that Y z opens only z's mask.
+    Sums over disjoint coordinate ranges add up to the sums over their union (shares add
+    locally), so a coordinate shard's sums are its part of the whole (issue 30: each worker
+    pair computes its shard's, each coordinator adds its shares of them). ``sts``, ``stv``
+    public; ``sty`` = S^T Y (..., B, B) and ``ytv`` = Y^T v (..., B, 1) shared or plain.
     """
-    inverse = inverse or default_inverse()
-    secret = is_shared(Y)
-    dtype = torch.float64 if not secret else torch.float32
+
+    sts: torch.Tensor
+    stv: torch.Tensor
+    sty: Any
+    ytv: Any
+
+    def __add__(self, other: HvpSums) -> HvpSums:
+        return HvpSums(self.sts + other.sts, self.stv + other.stv, self.sty + other.sty, self.ytv + other.ytv)
+
+
+@dataclass(frozen=True)
+class HvpCoefficients:
+    """What the coordinates' products need of the small solve (phase 2 of :func:`compact_hvp`):
+    sigma (..., 1, 1), sigma z1 (..., B, 1) and z2 (..., B, 1); shared or plain."""
+
+    sigma: Any
+    sigma_z1: Any
+    z2: Any
+
+
+def _operands(S: torch.Tensor, Y: Any, v: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor]:
+    """S and v in the working dtype (float32 beside shares: CrypTen encodes from it) and v as
+    a column broadcast over S's leading dimensions."""
+    dtype = torch.float64 if not is_shared(Y) else torch.float32
     S = S.to(dtype)
-    if not secret:
+    if not is_shared(Y):
         Y = torch.as_tensor(Y).to(dtype)
-    b = S.shape[-1]
     lead = tuple(S.shape[:-2])
     vcol = v.to(dtype).reshape(*(v.shape[:-1] or ()), -1, 1).expand(*lead, S.shape[-2], 1)
-    e1, e2 = _placements(b, dtype)
+    return S, Y, vcol
 
-    sts = transpose(S) @ S                                   # (..., B, B) public
-    sty = transpose(transpose(Y).matmul(S))                  # S^T Y, local (public x shared)
+
+def hvp_sums(S: torch.Tensor, Y: Any, v: torch.Tensor) -> HvpSums:
+    """Phase 1: S^T S, S^T v (public), S^T Y and Y^T v (local: public x shared)."""
+    S, Y, vcol = _operands(S, Y, v)
+    return HvpSums(transpose(S) @ S, transpose(S) @ vcol, transpose(transpose(Y).matmul(S)),
+                   transpose(Y).matmul(vcol))
+
+
+def hvp_solve(sums: HvpSums, inverse: Inverse | None = None) -> HvpCoefficients:
+    """Phase 2: sigma, W^{-1} and z = W^{-1} q on the 2B x 2B system (module docstring);
+    independent of m, so with coordinate shards it runs once, at the coordinators."""
+    inverse = inverse or default_inverse()
+    sts, sty = sums.sts, sums.sty
+    dtype = sts.dtype
+    b = sts.shape[-1]
+    e1, e2 = _placements(b, dtype)
     strict_lower = torch.tril(torch.ones(b, b, dtype=dtype), diagonal=-1)
     L = mul_mask(sty, strict_lower)
     D = mul_mask(sty, torch.eye(b, dtype=dtype))
@@ -94,37 +129,56 @@ def compact_hvp(S: torch.Tensor, Y: Any, v: torch.Tensor, inverse: Inverse | Non
          + lmatmul(e2, transpose(L).matmul(e1.T))
          - lmatmul(e2, D.matmul(e2.T)))                      # (..., 2B, 2B)
     w_inv = inverse(W)
-
-    stv = transpose(S) @ vcol                                # (..., B, 1) public
-    ytv = transpose(Y).matmul(vcol)                          # (..., B, 1)
-    q = lmatmul(e1, sigma * stv) + lmatmul(e2, ytv)          # (..., 2B, 1)
+    q = lmatmul(e1, sigma * sums.stv) + lmatmul(e2, sums.ytv)   # (..., 2B, 1)
     z = w_inv.matmul(q)
-    z1 = lmatmul(e1.T, z)                                    # (..., B, 1)
-    z2 = lmatmul(e2.T, z)
-    # H v = sigma v - S (sigma z1) - Y z2. sigma z1 is a B-vector per client, so the only
-    # shared x shared product over m coordinates is Y z2 (S times a shared vector is local);
-    # sigma (S z1) would multiply two shared m-vectors (16 more bytes per coordinate).
+    # sigma z1 is B values per client: formed here, so that the m-long products below never
+    # multiply two shared m-vectors (sigma (S z1) would: 16 more bytes per coordinate)
+    return HvpCoefficients(sigma, sigma * lmatmul(e1.T, z), lmatmul(e2.T, z))
+
+
+def hvp_apply(S: torch.Tensor, Y: Any, v: torch.Tensor, c: HvpCoefficients,
+              y_masks: Sequence[Sequence[Any]] | None = None) -> Any:
+    """Phase 3: H v = sigma v - S (sigma z1) - Y z2 on the coordinates at hand (a shard's)."""
+    S, Y, vcol = _operands(S, Y, v)
     # Shared operands stay on the left of every operator (torch tensors do not know how to
     # combine with CrypTen tensors).
-    if not secret:
-        hv = sigma * vcol - lmatmul(S, sigma * z1) - Y.matmul(z2)
+    if not is_shared(Y):
+        hv = c.sigma * vcol - lmatmul(S, c.sigma_z1) - Y.matmul(c.z2)
         return hv.squeeze(-1)
     # In 2PC the three m-long products stay raw (2F fractional bits, no truncation): a
     # truncation of n x m values would cost a wrap-free protocol round and 16 bytes each, and
     # the estimate is only ever opened inside an aggregate (divided in the clear) or rescaled
     # once for the threshold check.
+    b = S.shape[-1]
     two_f = 2 * B.frac_bits()
-    sz1 = transpose(sigma * z1)                              # (..., 1, B) shared, F bits
-    t1 = B.relabel(B.raw_mul(sigma, vcol), two_f)
+    sz1 = transpose(c.sigma_z1)                              # (..., 1, B) shared, F bits
+    t1 = B.relabel(B.raw_mul(c.sigma, vcol), two_f)
     t2 = B.relabel(transpose(B.relabel(sz1, 0).matmul(B.encode_public(transpose(S)))), two_f)
     if y_masks is not None:
         rows, m = S.shape[0], S.shape[-2]
-        prod = reused_masks.matvec(y_masks, B.relabel(z2, 0).share.reshape(rows, b))
+        prod = reused_masks.matvec(y_masks, B.relabel(c.z2, 0).share.reshape(rows, b))
         t3 = B.relabel(crypten.mpc.MPCTensor.from_shares(prod.reshape(rows, m, 1), precision=0), two_f)
     else:
-        t3 = B.relabel(B.raw_matmul(Y, z2), two_f)
+        t3 = B.relabel(B.raw_matmul(Y, c.z2), two_f)
     hv = t1 - t2 - t3
     return hv.squeeze(-1)
+
+
+def compact_hvp(S: torch.Tensor, Y: Any, v: torch.Tensor, inverse: Inverse | None = None,
+                y_masks: Sequence[Sequence[Any]] | None = None) -> Any:
+    """H v for the BFGS matrix defined by the pairs (S, Y); see the module docstring.
+
+    Shapes: ``S`` (..., m, B) public, ``Y`` (..., m, B) shared or plain, ``v`` (..., m)
+    or (m,) public. Returns (..., m), shared iff Y is. Columns are oldest first, so the
+    last column is the most recent pair (the one sigma is taken from). ``y_masks`` (2PC,
+    dealer mode; ``PairBuffers.masked_columns``): Y's columns with their Beaver masks already
+    opened, one row per client (S of shape (rows, m, B)), so that Y z opens only z's mask.
+
+    Three phases: sums over the coordinates (:func:`hvp_sums`), the small solve
+    (:func:`hvp_solve`), products over the coordinates (:func:`hvp_apply`); on coordinate
+    shards the first and last run per shard and the sums are added in between.
+    """
+    return hvp_apply(S, Y, v, hvp_solve(hvp_sums(S, Y, v), inverse), y_masks)
 
 
 def estimate_updates(stored: Any, model_diff: torch.Tensor, S: torch.Tensor, Y: Any,
