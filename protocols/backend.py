@@ -34,6 +34,8 @@ from mpc.crypten_compat import crypten
 from mpc.truncation import truncate
 from crypten.encoder import FixedPointEncoder
 
+from .sharded import ShardedValue, is_sharded
+
 Tensor = Union[torch.Tensor, Any]  # torch.Tensor or crypten MPCTensor
 
 __all__ = [
@@ -70,8 +72,9 @@ __all__ = [
 
 
 def is_shared(x: Any) -> bool:
-    """True for CrypTen secret-shared tensors, False for plaintext torch tensors / numbers."""
-    return isinstance(x, crypten.CrypTensor)
+    """True for secret-shared values (CrypTen tensors, or values on coordinate shards:
+    ``protocols.sharded``), False for plaintext torch tensors / numbers."""
+    return isinstance(x, (crypten.CrypTensor, ShardedValue))
 
 
 def any_shared(*xs: Any) -> bool:
@@ -122,6 +125,8 @@ def reveal(x: Any) -> torch.Tensor:
     magnitude 2**8 (e.g. ``30000 - 2**-16`` opens as ``30000``); we decode the opened ring
     integers ourselves. Identity on plaintext tensors.
     """
+    if is_sharded(x):
+        return x.reveal()
     if is_shared(x):
         return x.reveal().to(torch.float64) / float(x.encoder.scale)
     return x
@@ -145,6 +150,8 @@ def _unify_scales(xs: Sequence[Any]) -> list:
 
 
 def stack(xs: Sequence[Any], dim: int = 0) -> Any:
+    if xs and is_sharded(xs[0]):
+        return xs[0].stack_with(list(xs), dim)
     if any_shared(*xs):
         return crypten.stack(_unify_scales(xs), dim=dim)
     return torch.stack(list(xs), dim=dim)
@@ -286,6 +293,8 @@ def rescale(x: Any, bits: int | None = None) -> Any:
     if not is_shared(x):
         return x
     bits = frac_bits() if bits is None else bits
+    if is_sharded(x):
+        return x.rescale(bits)
     k = bits_of(x) - bits
     if k <= 0:
         return lift(x, bits)
@@ -359,6 +368,8 @@ def weighted_sum(values: Sequence[Any], weights: Sequence[float]) -> Any:
     """
     if len(values) != len(weights) or not values:
         raise ValueError("need one weight per value")
+    if any(is_sharded(v) for v in values):
+        return next(v for v in values if is_sharded(v)).weighted_with(list(values), list(weights))
     if any(is_shared(v) for v in values):
         return raw_weighted_sum([to_shared_like(v) for v in values], weights)
     out = values[0] * float(weights[0])

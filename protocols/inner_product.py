@@ -27,8 +27,9 @@ import torch
 
 from . import backend as B
 from .backend import Tensor
+from .sharded import is_sharded
 
-__all__ = ["inner"]
+__all__ = ["inner", "inner_raw", "inner_finish", "public_bits"]
 
 
 def inner(x: Tensor, y: Tensor, dim: int = -1) -> Tensor:
@@ -37,26 +38,43 @@ def inner(x: Tensor, y: Tensor, dim: int = -1) -> Tensor:
         x = torch.as_tensor(x)
         y = torch.as_tensor(y)
         return (x * y).sum(dim)
-    if B.is_shared(x) and B.is_shared(y):
+    if B.is_shared(y) and not B.is_shared(x):
+        x, y = y, x
+    if is_sharded(x):
+        return x.inner(y)
+    e = None if B.is_shared(y) else public_bits(y)
+    return inner_finish(inner_raw(x, y, dim, e), e)
+
+
+def public_bits(y: Tensor) -> int:
+    """The fractional bits a public factor is encoded with: one exponent for all of it (the
+    products are summed before truncating), so coordinate shards must use the whole's."""
+    y = torch.as_tensor(y, dtype=torch.float64)
+    return int(B.public_exponent(y.abs().max())) if y.numel() else B.frac_bits()
+
+
+def inner_raw(x: Tensor, y: Tensor, dim: int = -1, e: int | None = None) -> Tensor:
+    """The untruncated sum of the products (shared ``x``; ``y`` shared, or public encoded with
+    ``e`` bits): what adds over coordinate shards before :func:`inner_finish` truncates once."""
+    if e is None:
         if tuple(x.shape) == tuple(y.shape) and len(x.shape) >= 1 and dim in (-1, len(x.shape) - 1) \
                 and x.shape[-1] > 0:
             # as a batch of (1 x m) @ (m x 1) products: the same openings as m products, but the
             # correlation is one value per row (the dealer sends 8 bytes, not 8 m; two-party mode's
             # HE product returns one value instead of m)
-            raw = B.raw_matmul(x.unsqueeze(-2), y.unsqueeze(-1)).reshape(tuple(x.shape[:-1]))
-        else:
-            raw = B.raw_mul(x, y).sum(dim)
+            return B.raw_matmul(x.unsqueeze(-2), y.unsqueeze(-1)).reshape(tuple(x.shape[:-1]))
+        return B.raw_mul(x, y).sum(dim)
+    raw = B.relabel(x, 0) * B.encode_public(torch.as_tensor(y, dtype=torch.float64), bits=e)
+    return B.relabel(raw.sum(dim), B.frac_bits())
+
+
+def inner_finish(raw: Tensor, e: int | None = None) -> Tensor:
+    """The inner product from :func:`inner_raw`'s (summed) raw value: one truncation."""
+    if e is None:
         return _same_shape(B.truncate_raw(raw), raw)
-    if B.is_shared(y):
-        x, y = y, x
-    y = torch.as_tensor(y, dtype=torch.float64)
-    # One exponent for the whole public factor (products are summed before truncating).
-    e = int(B.public_exponent(y.abs().max())) if y.numel() else B.frac_bits()
-    raw = B.relabel(x, 0) * B.encode_public(y, bits=e)
-    total = B.relabel(raw.sum(dim), B.frac_bits())
     # e depends on public data: a divisor tensor (not an int) keeps the truncation's dealer
     # request independent of it (``mpc.truncation``: pairs for every exponent)
-    return _same_shape(total.div(torch.full(tuple(total.shape), 1 << e, dtype=torch.long)), total)
+    return _same_shape(raw.div(torch.full(tuple(raw.shape), 1 << e, dtype=torch.long)), raw)
 
 
 def _same_shape(out: Tensor, like: Tensor) -> Tensor:

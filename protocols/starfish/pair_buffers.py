@@ -36,6 +36,7 @@ from protocols.compare import ge
 from protocols.inner_product import inner
 
 from protocols.backend import is_shared, reveal, stack
+from protocols.sharded import is_sharded
 
 __all__ = ["PairBuffers", "MIN_COSINE", "curvature_ok", "curvature_sums", "curvature_decide"]
 
@@ -91,6 +92,8 @@ def curvature_ok(s: torch.Tensor, ys: Sequence[Any], min_cos: float = MIN_COSINE
     :func:`curvature_decide` on :func:`curvature_sums`."""
     if not ys:
         return []
+    if is_sharded(ys[0]):     # on coordinate shards: sums per shard, the decision here
+        return ys[0].curvature(s, list(ys), min_cos)
     return curvature_decide(*curvature_sums(s, ys, masked), min_cos)
 
 
@@ -113,7 +116,7 @@ class PairBuffers:
         # dealer mode: each new column's mask is opened here, once; it gives the curvature test's
         # y^T y and then serves every estimate's product while the column stays in the buffer
         masked = None
-        if ys and all(is_shared(y) for y in ys) and reused_masks.supported():
+        if ys and all(is_shared(y) and not is_sharded(y) for y in ys) and reused_masks.supported():
             masked = reused_masks.open_masks([y.share for y in ys])
         accepted = curvature_ok(s, ys, self.min_cos, masked)
         for k, (j, y, ok) in enumerate(zip(clients, ys, accepted)):
@@ -143,7 +146,8 @@ class PairBuffers:
         provider without reusable masks). Columns are opened when they enter the buffer
         (``push_many``); one that has not been (pushed by other code) is opened here, one round for
         all, and then serves every product until it leaves the buffer."""
-        if not any(is_shared(y) for j in clients for y in self._y[j]) or not reused_masks.supported():
+        ys = [y for j in clients for y in self._y[j]]
+        if not any(is_shared(y) for y in ys) or any(is_sharded(y) for y in ys) or not reused_masks.supported():
             return None
         missing = [(j, k) for j in clients for k, m in enumerate(self._masks[j]) if m is None]
         opened = reused_masks.open_masks([self._y[j][k].share for j, k in missing])

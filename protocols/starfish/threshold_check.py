@@ -15,6 +15,7 @@ import torch
 from mpc import table_compare
 from mpc.crypten_compat import crypten
 from protocols import backend as B
+from protocols.sharded import is_sharded
 from protocols.threshold import any_exceeds
 
 __all__ = ["check_thresholds"]
@@ -26,6 +27,8 @@ def check_thresholds(estimates: Any, thresholds: Any) -> torch.Tensor:
     Delegates to ``protocols.threshold.any_exceeds``, which compares x^2 with d^2
     coordinate-wise and reveals only the per-row OR.
     """
+    if is_sharded(estimates):     # on coordinate shards: counts per shard, the OR here
+        return estimates.exceeds(thresholds)
     if len(estimates.shape) != 2 or len(thresholds.shape) != 1:
         raise ValueError("estimates must be (clients, m) and thresholds (clients,)")
     direct = _two_party_check(estimates, thresholds)

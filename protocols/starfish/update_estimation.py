@@ -39,6 +39,7 @@ from protocols import backend as B
 from protocols.inverse import inverse_masked
 
 from protocols.backend import is_shared, lmatmul, mul_mask, transpose
+from protocols.sharded import is_sharded
 
 __all__ = ["compact_hvp", "estimate_updates", "default_inverse", "HvpSums", "HvpCoefficients",
            "hvp_sums", "hvp_solve", "hvp_apply"]
@@ -189,6 +190,8 @@ def estimate_updates(stored: Any, model_diff: torch.Tensor, S: torch.Tensor, Y: 
     ``model_diff``: (m,) public M_hat - M_{t-1}; ``S``, ``Y``: (n, m, B) per-client pairs;
     ``y_masks``: see ``compact_hvp``.
     """
+    if is_sharded(stored):     # on coordinate shards: the three phases split (``on_shards``)
+        return stored.estimate(model_diff, S, Y, inverse)
     hv = compact_hvp(S, Y, model_diff, inverse, y_masks)
     if is_shared(hv):
         return hv + B.lift(B.to_shared_like(stored), B.bits_of(hv))

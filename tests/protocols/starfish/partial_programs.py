@@ -154,18 +154,33 @@ class MemoryShareHistory(History):
 
 
 def stage2_on_shares(party, m0: np.ndarray, server_lr: float, rounds: list[dict], targets: list[int],
-                     params, clients: list[ToyClient], key: bytes, hidden: Sequence[int] = ()) -> dict:
-    """``run_stage2`` on this party's shares (``hidden``: erased clients, ``without_clients``)."""
+                     params, clients: list[ToyClient], key: bytes, hidden: Sequence[int] = (),
+                     shards: int = 0) -> dict:
+    """``run_stage2`` on this party's shares (``hidden``: erased clients, ``without_clients``);
+    ``shards`` = K > 0: on K coordinate slices (``tests.helpers.shard_slices``), the values on
+    them as a server's workers would hold them (``protocols.starfish.on_shards``)."""
     from bench.secure_lab import SimulatedShareClients
     from protocols.starfish import run_stage2
+    from protocols.starfish.on_shards import ShardClients, ShardHistory, ShardSpace
     from protocols.starfish.ports import without_clients
+    from tests.helpers.shard_slices import SliceShards
 
     torch.set_num_threads(1)
     hist: History = MemoryShareHistory(m0, server_lr, rounds, party.rank, party.wrap_share)
     if hidden:
         hist = without_clients(hist, hidden)
-    res = run_stage2(party, hist, targets, params, SimulatedShareClients(party, clients, key))
-    return {"model": res.model.double().numpy(), "selected_rounds": res.selected_rounds,
+    clients_port = SimulatedShareClients(party, clients, key)
+    held = None
+    if shards:
+        slices = SliceShards(party, len(m0), shards)
+        space = ShardSpace(slices, len(m0))
+        hist, clients_port = ShardHistory(hist, space), ShardClients(clients_port, space)
+    res = run_stage2(party, hist, targets, params, clients_port)
+    if shards:
+        del hist, clients_port
+        space.close()
+        held = slices.held()
+    return {"held_after": held, "model": res.model.double().numpy(), "selected_rounds": res.selected_rounds,
             "candidate_rounds": res.candidate_rounds, "flags": res.flags,
             "exact_requests": res.exact_requests, "warmup_steps": res.warmup_steps,
             "estimated_updates": res.estimated_updates}

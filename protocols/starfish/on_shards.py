@@ -1,0 +1,305 @@
+"""Stage II's secret m-long values on coordinate shards, as the coordinator holds them (issue 30).
+
+Why: with ``[deployment] workers`` = K each server's workers hold coordinate shard k of every
+update, secant and estimate, and Stage II (``stage2``, ``replay``, written once) must run on
+them unchanged. So the history and correction ports hand it :class:`ShardVector` values
+(secret: ``backend.is_shared``), and each backend function or Starfish step that touches every
+coordinate asks the value to do it (``protocols.sharded``): the shard's part runs on each worker
+pair (``shard_steps``), the coordinator adds its shares of the parts (additive shares add
+without communication) and runs the small rest in its own session with the other coordinator:
+
+* UE: S^T S, S^T v, S^T Y, Y^T v per shard, added; the 2B x 2B solve here; H v per shard;
+* TC: per shard, shares of each row's count of coordinates over its threshold, added; the
+  per-row OR here (one comparison, the one opened bit per client of the unsharded check);
+* the curvature test and RS's inner products: per shard sums, added; the decisions here;
+* an aggregate: a weighted sum per shard (local), each shard opened by its pair (the aggregate
+  is public, as unsharded).
+
+What crosses shards is a few shares per client (B x B sums, counts, inner products), never an
+m-long value; what is opened is what the unsharded Stage II opens. Each worker keeps a value
+as long as the coordinator holds a reference to it: when the last one goes, its name is
+dropped (zeroed) at every worker before the next program runs.
+
+Not on shards (yet): the reused Beaver masks of dealer mode (each pair multiplies Y z with its
+own triples) and the table-driven comparisons of SecTC (a pair counts with the generic
+comparison), so the traffic is that of the generic protocols; robust replays.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from protocols import backend as B
+from protocols.inner_product import inner_finish, public_bits
+from protocols.sharded import ShardedValue, ShardExecutor
+from protocols.threshold import flags_from_counts
+
+from . import shard_steps as steps
+from .pair_buffers import curvature_decide
+from .ports import CorrectionClients, History, RoundRecord, Secret
+from .update_estimation import HvpSums, hvp_solve
+
+__all__ = ["ShardSpace", "ShardVector", "ShardMatrix", "ShardHistory", "ShardClients"]
+
+
+class ShardSpace:
+    """This coordinator's workers for one job, and the names of the values they keep for it."""
+
+    def __init__(self, executor: ShardExecutor, dim: int) -> None:
+        self.ex = executor
+        self.dim = dim
+        self.bounds = list(executor.bounds)
+        if self.bounds[-1][1] != dim:
+            raise ValueError(f"shards {self.bounds} do not cover {dim} coordinates")
+        self._live: Counter[str] = Counter()
+        self._gone: list[str] = []
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ names
+    def name(self, kind: str) -> str:
+        return f"{kind}{next(self._ids)}"
+
+    def hold(self, name: str) -> None:
+        self._live[name] += 1
+
+    def release(self, name: str) -> None:
+        self._live[name] -= 1
+        if self._live[name] <= 0:
+            del self._live[name]
+            self._gone.append(name)
+
+    def flush(self) -> None:
+        """Drop every value the coordinator no longer references (zeroed at the workers)."""
+        gone, self._gone = self._gone, []
+        if gone:
+            self.ex.drop(gone)
+
+    def close(self) -> None:
+        """Drop everything this job left at the workers."""
+        self._gone.extend(self._live)
+        self._live.clear()
+        self.flush()
+
+    # ------------------------------------------------------------------ moving values
+    def run(self, program, *args, per_shard=None) -> list[Any]:
+        self.flush()
+        return self.ex.run(program, *args, per_shard=per_shard)
+
+    def put(self, x: Any) -> ShardVector:
+        """A coordinator-held m-long sharing (a correction answer, a stored update) to the workers."""
+        share, bits = steps.share_of(x)
+        if share.shape[-1] != self.dim:
+            raise ValueError(f"a value of {share.shape[-1]} coordinates on shards of {self.dim}")
+        name = self.name("v")
+        self.flush()
+        self.ex.scatter(name, share)
+        return ShardVector(self, (name, None), bits)
+
+    def gather(self, parts: Sequence[tuple[np.ndarray, int]]) -> Any:
+        """The sum of the shards' shares of a value (local), as a sharing of this session."""
+        bits = parts[0][1]
+        with np.errstate(over="ignore"):   # the ring wraps
+            total = np.sum(np.stack([p for p, _ in parts]), axis=0, dtype=np.int64)
+        return steps.wrap(total, bits)
+
+
+class _Held(ShardedValue):
+    """A value the workers keep under names; the names are released with the value."""
+
+    def __init__(self, space: ShardSpace, names: Sequence[str]) -> None:
+        self.space = space
+        self._names = list(names)
+        for n in self._names:
+            space.hold(n)
+
+    def __del__(self) -> None:
+        try:
+            for n in self._names:
+                self.space.release(n)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _names(refs: Any) -> list[str]:
+    if isinstance(refs, tuple) and refs and refs[0] == "cols":
+        return [n for r in refs[1] for n in _names(r)]
+    if isinstance(refs, list):
+        return [n for r in refs for n in _names(r)]
+    return [refs[0]]
+
+
+class ShardVector(_Held):
+    """One m-long secret on the shards: reference ``ref`` at ``bits`` fractional bits."""
+
+    def __init__(self, space: ShardSpace, ref: steps.Ref, bits: int) -> None:
+        super().__init__(space, [ref[0]])
+        self.ref, self.bits = ref, bits
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.space.dim,)
+
+    def __sub__(self, other: ShardVector) -> ShardVector:
+        if not isinstance(other, ShardVector) or other.bits != self.bits:
+            raise TypeError("a shard vector minus another at the same bits only")
+        out = self.space.name("d")
+        self.space.run(steps.sub_program, out, self.ref, other.ref)
+        return ShardVector(self.space, (out, None), self.bits)
+
+    def stack_with(self, xs: list, dim: int) -> ShardMatrix:
+        bits = {x.bits for x in xs}
+        if len(bits) != 1:
+            raise ValueError("stacking shard vectors of different bits")
+        if dim == 0:
+            return ShardMatrix(self.space, [x.ref for x in xs], bits.pop())
+        if dim in (-1, 1):
+            return ShardMatrix(self.space, ("cols", [x.ref for x in xs]), bits.pop())
+        raise ValueError(f"shard vectors stack on axis 0 or -1, not {dim}")
+
+    def weighted_with(self, values: list, weights: list) -> ShardVector:
+        out = self.space.name("w")
+        bits = self.space.run(steps.weighted_program, out, [v.ref for v in values], [v.bits for v in values],
+                              [float(w) for w in weights])[0]
+        return ShardVector(self.space, (out, None), bits)
+
+    def rescale(self, bits: int) -> ShardVector:
+        out = self.space.name("r")
+        got = self.space.run(steps.rescale_program, out, self.ref, self.bits, bits)[0]
+        return ShardVector(self.space, (out, None), got)
+
+    def reveal(self) -> torch.Tensor:
+        parts = self.space.run(steps.open_program, self.ref, self.bits)
+        return torch.from_numpy(np.concatenate(parts, axis=-1)).to(torch.float64)
+
+    def curvature(self, s: torch.Tensor, ys: list, min_cos: float) -> list[bool]:
+        """The curvature test of the secants ``ys`` (``pair_buffers``) from per-shard sums."""
+        bits = {y.bits for y in ys}.pop()
+        parts = self.space.run(steps.curvature_program, [y.ref for y in ys], bits,
+                               per_shard=[(s[lo:hi],) for lo, hi in self.space.bounds])
+        return curvature_decide(sum(p[0] for p in parts), self.space.gather([p[1] for p in parts]),
+                                self.space.gather([p[2] for p in parts]), min_cos)
+
+
+class ShardMatrix(_Held):
+    """Rows (``refs`` a list) or L-BFGS columns (``("cols", [...])``; a list of those: one client's
+    m x B per row) of shard vectors, at ``bits``."""
+
+    def __init__(self, space: ShardSpace, refs: Any, bits: int) -> None:
+        super().__init__(space, _names(refs))
+        self.refs, self.bits = refs, bits
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if isinstance(self.refs, tuple):
+            return (self.space.dim, len(self.refs[1]))
+        first = self.refs[0]
+        return (len(self.refs), self.space.dim) + ((len(first[1]),) if isinstance(first, tuple) and
+                                                   first and first[0] == "cols" else ())
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, r: int) -> ShardVector:
+        if isinstance(self.refs, tuple) or not isinstance(self.refs[r], tuple) or self.refs[r][0] == "cols":
+            raise TypeError("only the rows of a matrix of shard vectors are vectors")
+        return ShardVector(self.space, self.refs[r], self.bits)
+
+    def stack_with(self, xs: list, dim: int) -> ShardMatrix:
+        if dim != 0 or any(not isinstance(x.refs, tuple) for x in xs) or len({x.bits for x in xs}) != 1:
+            raise ValueError("shard matrices stack as one client's columns per row only")
+        return ShardMatrix(self.space, [x.refs for x in xs], xs[0].bits)
+
+    # ------------------------------------------------------------------ Starfish's steps
+    def estimate(self, model_diff: torch.Tensor, S: torch.Tensor, Y: ShardMatrix, inverse: Any) -> ShardMatrix:
+        """UE on the shards: g_hat = g + H v for every row (``update_estimation``, three phases)."""
+        sp = self.space
+        per = [(S[..., lo:hi, :], model_diff[lo:hi]) for lo, hi in sp.bounds]
+        parts = sp.run(steps.hvp_sums_program, Y.refs, Y.bits, per_shard=per)
+        sums = HvpSums(sum(p[0] for p in parts), sum(p[1] for p in parts),
+                       sp.gather([p[2] for p in parts]), sp.gather([p[3] for p in parts]))
+        c = hvp_solve(sums, inverse)
+        coef = [steps.share_of(x) for x in (c.sigma, c.sigma_z1, c.z2)]
+        out = sp.name("e")
+        bits = sp.run(steps.hvp_apply_program, out, Y.refs, Y.bits, self.refs, self.bits, coef, per_shard=per)[0]
+        return ShardMatrix(sp, [(out, r) for r in range(len(self))], bits)
+
+    def exceeds(self, thresholds: Any) -> torch.Tensor:
+        """SecTC on the shards: one public flag per row (``threshold_check``)."""
+        d = B.rescale(B.to_shared_like(thresholds))
+        counts = self.space.run(steps.counts_program, self.refs, self.bits, steps.share_of(d))
+        total = self.space.gather([(c, 0) for c in counts])
+        return flags_from_counts(total).reshape(-1).to(torch.int64)
+
+    def inner(self, other: Any) -> Any:
+        """Row-wise inner products with a public (rows, m) tensor or with the rows themselves."""
+        sp = self.space
+        if other is self:
+            parts = sp.run(steps.inner_program, self.refs, self.bits, None, None)
+            return inner_finish(sp.gather(parts), None)
+        if B.is_shared(other):
+            raise TypeError("shard rows times another secret: only with themselves")
+        y = torch.as_tensor(other, dtype=torch.float64)
+        e = public_bits(y)
+        parts = sp.run(steps.inner_program, self.refs, self.bits,
+                       per_shard=[(y[..., lo:hi], e) for lo, hi in sp.bounds])
+        return inner_finish(sp.gather(parts), e)
+
+
+# ------------------------------------------------------------------ the ports on shards
+class ShardHistory(History):
+    """``base`` (this server's shares) with every update read onto the shards: put there at its
+    first read and kept while Stage II references it (a round's rows while it is replayed)."""
+
+    def __init__(self, base: History, space: ShardSpace) -> None:
+        self._base, self.space = base, space
+        self._read: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    @property
+    def num_rounds(self) -> int:
+        return self._base.num_rounds
+
+    @property
+    def server_lr(self) -> float:
+        return self._base.server_lr
+
+    def model(self, i: int) -> torch.Tensor:
+        return self._base.model(i)
+
+    def participants(self, i: int) -> tuple[int, ...]:
+        return self._base.participants(i)
+
+    def weights(self, i: int) -> Mapping[int, float]:
+        return self._base.weights(i)
+
+    def update(self, i: int, client: int) -> Secret:
+        held = self._read.get((i, client))
+        if held is None:
+            held = self.space.put(self._base.update(i, client))
+            self._read[(i, client)] = held
+        return held
+
+    def norm(self, i: int, client: int) -> Secret:
+        return self._base.norm(i, client)
+
+    def delta(self, i: int, client: int) -> Secret:
+        return self._base.delta(i, client)
+
+    def append_round(self, record: RoundRecord) -> None:
+        raise TypeError("a history on shards is read-only; append to the store")
+
+
+class ShardClients:
+    """``base``'s exact updates (this server's shares of the answers) put onto the shards."""
+
+    def __init__(self, base: CorrectionClients, space: ShardSpace) -> None:
+        self._base, self.space = base, space
+
+    def exact_updates(self, round_index: int, model: torch.Tensor, client_ids: list[int]) -> dict[int, Secret]:
+        return {j: self.space.put(x) for j, x in self._base.exact_updates(round_index, model, client_ids).items()}

@@ -1,0 +1,122 @@
+"""What a worker pair computes on its coordinate shard for Stage II (``protocols.starfish.on_shards``).
+
+Each program is ``program(party, worker, *args)``: ``party`` the pair's 2PC session, ``worker``
+this side's holder of named int64 shares (``share``/``put``). A value is named by a reference
+``(name, row)`` (``row`` None: the whole array). What a program returns to its coordinator is
+this server's *share* of a sum over the shard's coordinates (added by the coordinator to the
+other shards'), a public sum, or a shard of a value the pair opened on purpose (an aggregate).
+Everything m-long stays at the worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from mpc.crypten_compat import crypten
+from protocols import backend as B
+from protocols.inner_product import inner_raw
+from protocols.threshold import exceed_counts
+
+from .pair_buffers import curvature_sums
+from .update_estimation import HvpCoefficients, hvp_apply, hvp_sums
+
+__all__ = ["Ref", "share_of", "wrap", "sub_program", "weighted_program", "rescale_program", "open_program",
+           "hvp_sums_program", "hvp_apply_program", "counts_program", "inner_program", "curvature_program"]
+
+#: (name, row): the named share at a worker, or its row ``row``
+Ref = tuple[str, "int | None"]
+
+
+def wrap(arr: np.ndarray, bits: int) -> Any:
+    """This side's int64 share as a sharing read at ``bits`` fractional bits."""
+    return crypten.mpc.MPCTensor.from_shares(torch.from_numpy(np.array(arr, dtype=np.int64, copy=True)),
+                                             precision=bits)
+
+
+def share_of(x: Any) -> tuple[np.ndarray, int]:
+    """A sharing as (this side's int64 share, its fractional bits): what crosses to or from a worker."""
+    return x.share.numpy().copy(), B.bits_of(x)
+
+
+def _array(worker: Any, ref: Ref) -> np.ndarray:
+    name, row = ref
+    a = worker.share(name)
+    return a if row is None else a[row]
+
+
+def _stacked(worker: Any, refs: Sequence[Any]) -> np.ndarray:
+    """Nested references as one array: a list is stacked on a new first axis; a ``("cols", [..])``
+    entry on a new last axis (the L-BFGS columns of one client)."""
+    if isinstance(refs, tuple) and refs and refs[0] == "cols":
+        return np.stack([_stacked(worker, r) for r in refs[1]], axis=-1)
+    if isinstance(refs, list):
+        return np.stack([_stacked(worker, r) for r in refs])
+    return _array(worker, refs)
+
+
+def sub_program(party, worker, out: str, a: Ref, b: Ref) -> None:
+    """out = a - b (same bits; local)."""
+    with np.errstate(over="ignore"):     # the ring wraps
+        worker.put(out, _array(worker, a) - _array(worker, b))
+
+
+def weighted_program(party, worker, out: str, refs: Sequence[Ref], bits: Sequence[int], weights: Sequence[float]) -> int:
+    """out = sum_k w_k x_k, untruncated (``backend.raw_weighted_sum``: local); returns its bits."""
+    y = B.raw_weighted_sum([wrap(_array(worker, r), b) for r, b in zip(refs, bits)], weights)
+    worker.put(out, y.share.numpy())
+    return B.bits_of(y)
+
+
+def rescale_program(party, worker, out: str, ref: Ref, bits: int, to_bits: int) -> int:
+    y = B.rescale(wrap(_array(worker, ref), bits), to_bits)
+    worker.put(out, y.share.numpy())
+    return B.bits_of(y)
+
+
+def open_program(party, worker, ref: Ref, bits: int) -> np.ndarray:
+    """The shard of a value both servers open (an aggregate the round publishes anyway)."""
+    with party.meter("aggregate"):
+        return B.reveal(wrap(_array(worker, ref), bits)).numpy()
+
+
+def hvp_sums_program(party, worker, y_refs: list, y_bits: int, S: torch.Tensor, v: torch.Tensor) -> tuple:
+    """UE's sums over this shard (``update_estimation.hvp_sums``): public S^T S, S^T v; shares
+    of S^T Y and Y^T v."""
+    with party.meter("UE"):
+        sums = hvp_sums(S, wrap(_stacked(worker, y_refs), y_bits), v)
+    return sums.sts, sums.stv, share_of(sums.sty), share_of(sums.ytv)
+
+
+def hvp_apply_program(party, worker, out: str, y_refs: list, y_bits: int, stored: list, stored_bits: int,
+                      coef: Sequence[tuple[np.ndarray, int]], S: torch.Tensor, v: torch.Tensor) -> int:
+    """g_hat = g + H v on this shard from the coordinators' coefficients; kept as ``out``."""
+    with party.meter("UE"):
+        hv = hvp_apply(S, wrap(_stacked(worker, y_refs), y_bits), v, HvpCoefficients(*(wrap(a, b) for a, b in coef)))
+        est = hv + B.lift(wrap(_stacked(worker, stored), stored_bits), B.bits_of(hv))
+    worker.put(out, est.share.numpy())
+    return B.bits_of(est)
+
+
+def counts_program(party, worker, refs: list, bits: int, thresholds: tuple[np.ndarray, int]) -> np.ndarray:
+    """SecTC's per-row count of coordinates at or above the threshold on this shard (a share)."""
+    with party.meter("TC"):
+        x = B.rescale(wrap(_stacked(worker, refs), bits))
+        return exceed_counts(x, wrap(*thresholds)).share.numpy().copy()
+
+
+def inner_program(party, worker, refs: list, bits: int, other: Any, e: int | None) -> tuple[np.ndarray, int]:
+    """The raw inner products of rows with a public ``other`` (encoded with ``e`` bits, the
+    whole vector's) or with themselves (``other`` None) on this shard (``inner_product.inner_raw``)."""
+    x = wrap(_stacked(worker, refs), bits)
+    return share_of(inner_raw(x, x if other is None else torch.as_tensor(other), -1, e))
+
+
+def curvature_program(party, worker, refs: list, bits: int, s: torch.Tensor) -> tuple:
+    """The curvature test's sums on this shard (``pair_buffers.curvature_sums``)."""
+    with party.meter("pairs"):
+        ss, u, yy = curvature_sums(s, [wrap(_array(worker, r), bits) for r in refs])
+    return ss, share_of(u), share_of(yy)

@@ -1,0 +1,65 @@
+"""Property: Stage II with its secret values on K coordinate shards (issue 30) is Stage II.
+
+The same histories as ``test_partial_participation_2pc`` (partial participation, an unlearning
+round, a round of targets only, an erased client), run by ``run_stage2`` unchanged on
+``protocols.starfish.on_shards``'s values: every update, secant and estimate on K slices
+(``tests.helpers.shard_slices``: K worker pairs in one session), only sums of shares and the
+small solves at the "coordinators". Oracle: the plaintext twin (same rounds, flags, exact
+requests and warm-up; model within ``MODEL_TOLERANCE``), and nothing left on any slice after
+the job releases its values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import assume, event, given, note, settings
+from hypothesis import strategies as st
+
+from common.prg import new_seed
+from lab.recovery.base import ClientPool, PoolClients
+from protocols.starfish import StarfishParams, run_stage2
+from protocols.starfish.ports import remaining_clients, without_clients
+
+from . import partial_programs as pp
+from .test_partial_participation_2pc import _build, _margins, _near, cases
+from .test_stage2_properties import MODEL_TOLERANCE
+
+torch.set_num_threads(1)
+
+
+@st.composite
+def sharded_cases(draw) -> dict:
+    case = draw(cases())
+    case["k"] = draw(st.integers(1, min(case["d"], 4)))
+    return case
+
+
+@settings(max_examples=max(1, settings.default.max_examples // 5))   # default 30 -> 6
+@given(case=sharded_cases())
+def test_stage2_on_shards_equals_plaintext(pair, case):
+    note(f"case: {case}")
+    clients, hist = _build(case)
+    hidden = [case["erase"]] if case["erase"] is not None else []
+    view = without_clients(hist, hidden) if hidden else hist
+    targets = case["targets"]
+    params = StarfishParams(sigma=case["sigma"], beta=case["beta"], buffer=case["buffer"], method=case["method"])
+    pool = ClientPool(clients, remaining_clients(view, targets))
+    with _margins() as m:
+        plain = run_stage2(None, view, targets, params, PoolClients(pool))
+    near = _near(m)
+    if near:
+        event(f"discarded: a decision within the fixed-point grid ({near})")
+    assume(not near)
+    v0, v1 = pair.call(pp.stage2_on_shares, hist.model(0).numpy(), hist.server_lr,
+                       pp.split_rounds(hist, case["seed"]), targets, params, clients, new_seed(), hidden,
+                       case["k"])
+    assert np.array_equal(v0["model"], v1["model"])
+    assert v0["selected_rounds"] == v1["selected_rounds"] == plain.selected_rounds
+    assert v0["flags"] == plain.flags
+    assert v0["exact_requests"] == plain.exact_requests
+    assert v0["warmup_steps"] == plain.warmup_steps
+    assert v0["estimated_updates"] == plain.estimated_updates
+    gap = float(np.abs(v0["model"] - plain.model.double().numpy()).max())
+    assert gap < MODEL_TOLERANCE, gap
+    assert v0["held_after"] == v1["held_after"] == 0
