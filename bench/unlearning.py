@@ -233,6 +233,62 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     common_options.add_seed(p, "the synthetic history")
     common_options.add_out(p, None, shown="out/unlearning-<config>-<profile>.json", beside=".md beside it")
     common_options.add_quiet(p)
+    p.add_argument("--workers", type=int, default=None, metavar="K",
+                   help="each server as a coordinator and K Ray workers (issue 30): Stage II with every "
+                        "m-long value on K coordinate shards, loopback only; default: one process per server")
+
+
+def _on_workers(args: argparse.Namespace, cfg: SyntheticConfig) -> int:
+    """``--workers K``: bench/worker_unlearning.py's job, a table, the JSON."""
+    from .worker_unlearning import bench
+
+    if args.profile != "none":
+        return common_options.refuse("starfish bench unlearning", "--workers runs on loopback only: add "
+                                     "--profile none (the workers' links are not emulated)")
+    if not 1 <= args.workers <= min(64, cfg.num_params):
+        return common_options.refuse("starfish bench unlearning", f"--workers must be 1..{min(64, cfg.num_params)}")
+    if getattr(args, "aggregator", "fedavg") != "fedavg":
+        return common_options.refuse("starfish bench unlearning", "--workers replays FedAvg histories only "
+                                     "(a robust replay does not run on shards yet)")
+    method, t_delta, method_run = _method(profiles.resolve("none"), args.rs_method, cfg.rounds)
+    data_path = steps_bench.synthetic_history(cfg, args.cache_dir, args.quiet)
+    try:
+        res = bench(cfg, str(data_path), args.workers, args.offline, method, t_delta, args.quiet)
+    except RuntimeError as exc:
+        print(f"starfish bench unlearning --workers: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
+    twin = res["plaintext_twin"]
+    ok = res["servers_agree"] and twin["selected_rounds_equal"] and twin["flags_equal"] and twin["met"]
+    gib = 1 / 1e9
+    rows = []
+    for r, srv in enumerate(res["servers"]):
+        c = srv["coordinator"]
+        rows.append(f"| {r} | coordinator | {c['peak_rss_mib']:.0f} | {c['online'] * gib:.3f} | {c['offline'] * gib:.3f} "
+                    f"| {c['rounds']} |")
+        rows += [f"| {r} | worker {k} | {w['peak_rss_mib']:.0f} | {w['online'] * gib:.3f} | {w['offline'] * gib:.3f} "
+                 f"| {w['rounds']} |" for k, w in enumerate(srv["workers"])]
+    text = "\n".join([
+        f"## starfish bench unlearning --workers {args.workers}: config {cfg.name}: {cfg.clients} clients x "
+        f"{cfg.num_params:,} parameters, {cfg.rounds} rounds, --offline {args.offline}, loopback; every m-long "
+        f"value on {args.workers} coordinate shard(s) per server, round selection {method_run}",
+        f"Stage II: {res['servers'][0]['job_s']:.1f} s (server 0; server 1 {res['servers'][1]['job_s']:.1f} s); "
+        f"workers and sessions started in {res['servers'][0]['start_s']:.1f} s; whole run {res['wall_s']:.1f} s",
+        f"replay: {len(res['selected_rounds'])} selected rounds, {res['warmup_steps']} warm-up steps, "
+        f"{res['estimated_updates']} estimated updates, flags {sum(len(f) for f in res['flags'].values())}; "
+        f"both servers' models identical: {'yes' if res['servers_agree'] else 'NO'}",
+        f"plaintext twin: selected rounds equal: {'yes' if twin['selected_rounds_equal'] else 'NO'}; flags equal: "
+        f"{'yes' if twin['flags_equal'] else 'NO'}; max |2PC - plaintext| {twin['max_abs_diff']:.2e} "
+        f"(target <= {TARGET_PLAINTEXT_DIFF:g}: {'met' if twin['met'] else 'NOT met'})",
+        "",
+        "| server | process | peak RSS MiB | online GB | offline GB | online rounds |",
+        "|---|---|---|---|---|---|", *rows])
+    print(text)
+    out = args.out or f"out/unlearning-{cfg.name}-workers{args.workers}-{args.offline}.json"
+    path = write_json(out, {"machine": machine_info(), "benchmark": "unlearning --workers", "config": cfg.to_json(),
+                            "round_selection": method_run, "result": res, "correct": ok, "markdown": text})
+    Path(path).with_suffix(".md").write_text(text + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
@@ -246,6 +302,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     cfg = config(args.config, seed=args.seed)
     if args.clients is not None:
         cfg = cfg.with_(clients=args.clients, note=f"{cfg.note}; clients overridden to {args.clients}")
+    if getattr(args, "workers", None) is not None:
+        return _on_workers(args, cfg)
     suffix = f"-n{cfg.clients}" if args.clients is not None else ""
     agg = getattr(args, "aggregator", "fedavg")
     if agg != "fedavg":

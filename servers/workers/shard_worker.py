@@ -176,6 +176,12 @@ class ShardWorker:
         except Exception as exc:  # noqa: BLE001 - see _plain
             raise _plain(exc) from None
 
+    def meters(self) -> dict[str, Any]:
+        """This worker's traffic and time per step in its open session."""
+        if self._party is None:
+            raise WorkerError(f"{self.name} has no open session: open one first")
+        return self._party.meters()
+
     def state(self) -> dict[str, Any]:
         """What ``starfish status`` shows of a worker."""
         return {"name": self.name, "pid": os.getpid(), "session": self._ticket is not None,

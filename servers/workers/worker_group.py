@@ -141,9 +141,18 @@ class WorkerGroup:
     def drop(self, names: list[str]) -> list[int]:
         return self._all("drop", common=(list(names),))
 
-    def run(self, program: Callable[..., Any], *args: Any) -> list[Any]:
-        """``program(party, worker, *args)`` on every pair at once; one result per shard."""
-        return self._all("run", common=(program, *args))
+    def meters(self) -> list[dict[str, Any]]:
+        """Each pair's traffic so far in its open session (``Party.meters``)."""
+        return self._all("meters")
+
+    def run(self, program: Callable[..., Any], *args: Any, per_shard: Sequence[tuple] | None = None) -> list[Any]:
+        """``program(party, worker, *args, *per_shard[k])`` on every pair at once (worker k gets
+        the k-th ``per_shard`` tuple: its slice of a public value); one result per shard."""
+        if per_shard is None:
+            return self._all("run", common=(program, *args))
+        if len(per_shard) != self.workers:
+            raise ValueError(f"{len(per_shard)} per-shard argument tuples for {self.workers} workers")
+        return self._all("run", *zip(*[(program, *args, *extra) for extra in per_shard]))
 
     def state(self) -> list[dict[str, Any]]:
         """Each worker's state, or the reason it cannot answer (a dead worker)."""

@@ -1,0 +1,164 @@
+"""One full Stage II with each server a coordinator and K Ray workers (``starfish bench unlearning --workers K``).
+
+Why a harness of its own (beside ``bench/unlearning.py``): here each server is two kinds of
+process, a coordinator (``run_stage2`` on ``protocols.starfish.on_shards``'s values, the small
+solves in its session with the other coordinator) and K Ray workers in that server's own
+cluster (worker k holds coordinate shard k of every update, secant and estimate and computes on
+it with worker k of the other server). The two coordinators meet over a pipe as in
+``bench/worker_round.py``. The history is ``bench/synthetic.py``'s (the same shares and exact
+updates as ``bench unlearning``), and the result is checked against the plaintext twin.
+
+Reported per server: the whole job's seconds (workers started and sessions opened apart), each
+worker's peak RSS and traffic, the coordinator's peak RSS and traffic. The dealer mode's material
+is fetched online (no recorded schedule), so its bytes count as each session's offline bytes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import resource
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import progress
+from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, load_data
+
+__all__ = ["run_job", "bench"]
+
+
+def _traffic(meters: dict) -> dict:
+    tot = meters["total"]
+    return {k: tot.get(f"{k}_bytes_sent", 0) + tot.get(f"{k}_bytes_received", 0) for k in ("online", "offline")} | \
+        {"rounds": tot.get("online_rounds", 0)}
+
+
+def _coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, spec: dict, data_path: str,
+                 method: str, t_delta: int, options: dict, peer, out) -> None:
+    """Server ``rank``'s coordinator: its workers, the sessions, Stage II; ("ok", report) or
+    ("error", text) through ``out``."""
+    from mpc.session import open_party, shared_engine_pool
+    from protocols.starfish import StarfishParams, run_stage2
+    from protocols.starfish.on_shards import ShardClients, ShardHistory, ShardSpace
+    from servers.workers.worker_group import WorkerGroup
+
+    group = party = listener = None
+    try:
+        torch.set_num_threads(1)
+        cfg = SyntheticConfig.from_json(spec)
+        t0 = time.perf_counter()
+        group = WorkerGroup(rank, keys_dir, workers, cfg.num_params, ray_dir=ray_dir, **options)
+        if rank == 1:
+            listener = socket.create_server(("127.0.0.1", 0))
+            peer.send((group.addresses, listener.getsockname()[:2]))
+            peers, address = None, None
+        else:
+            peers, address = peer.recv()
+        group.open(b"stage2:on-shards:pairs", peers)
+        source: dict[str, Any] = {"offline": options["offline"]}
+        if options["offline"] == "dealer":
+            source["dealer_address"] = options["dealer_address"]
+        else:
+            source["engine_pool"] = shared_engine_pool()
+        party = open_party(rank, keys_dir, peer_listener=listener, peer_address=address,
+                           ticket=b"stage2:on-shards:coordinators", timeout=options["timeout"], **source)
+        started = time.perf_counter() - t0
+        hist = SyntheticHistory(cfg, load_data(data_path), rank, party.wrap_share)
+        clients = SyntheticClients(hist)
+        space = ShardSpace(group, cfg.num_params)
+        params = StarfishParams(sigma=cfg.sigma, beta=cfg.beta, buffer=cfg.buffer, method=method, t_delta=t_delta)
+        t1 = time.perf_counter()
+        res = run_stage2(party, ShardHistory(hist, space), list(cfg.targets), params, ShardClients(clients, space))
+        job = time.perf_counter() - t1
+        space.close()
+        report = res.to_json()
+        report.update(model=res.model.numpy(), start_s=started, job_s=job,
+                      coordinator={"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                                   **_traffic(party.meters()), "steps": party.meters()["steps"]},
+                      workers=[{"peak_rss_mib": s.get("peak_rss_mib"), **_traffic(m)}
+                               for s, m in zip(group.state(), group.meters())])
+        group.close()
+        out.send(("ok", report))
+    except BaseException as exc:  # noqa: BLE001 - reported to the caller
+        out.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"))
+    finally:
+        if party is not None:
+            party.close()
+        if listener is not None:
+            listener.close()
+        if group is not None:
+            group.shutdown()
+
+
+def run_job(keys_dir: str, workers: int, spec: dict, data_path: str, method: str, t_delta: int, *,
+            offline: str, dealer_address=None, timeout: float = 600.0, wait: float = 7200.0) -> list[tuple]:
+    """Both coordinators' reports (rank 0, rank 1) of one Stage II on ``workers`` pairs."""
+    ctx = mp.get_context("spawn")
+    peer0, peer1 = ctx.Pipe()
+    results = [ctx.Pipe(duplex=False) for _ in (0, 1)]
+    options = {"offline": offline, "dealer_address": dealer_address, "timeout": timeout}
+    ray_dirs = [tempfile.mkdtemp(prefix=f"sfray{r}-") for r in (0, 1)]   # AF_UNIX paths: short
+    procs = [ctx.Process(target=_coordinator, args=(r, keys_dir, ray_dirs[r], workers, spec, data_path, method,
+                                                   t_delta, options, (peer0, peer1)[r], results[r][1]))
+             for r in (0, 1)]
+    try:
+        for p in procs:
+            p.start()
+        out = [c.recv() if c.poll(wait) else ("error", f"no answer in {wait:.0f} s") for c, _ in results]
+        for p in procs:
+            p.join(60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for d in ray_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def bench(cfg: SyntheticConfig, data_path: str, workers: int, offline: str, method: str, t_delta: int,
+          quiet: bool) -> dict:
+    """The job on ``workers`` pairs with throw-away keys (worker certificates included; in dealer
+    mode a dealer thread in this process), checked against the plaintext twin."""
+    from mpc.dealer import DealerServer
+    from net import tls
+
+    from .unlearning import plaintext_check
+
+    keys = tempfile.mkdtemp(prefix="sfkeys-")
+    dealer = None
+    try:
+        tls.init_keys(keys, workers=workers)
+        if offline == "dealer":
+            dealer = DealerServer(tls.identity(keys, tls.DEALER_NAME))
+            threading.Thread(target=dealer.serve_forever, daemon=True).start()
+        progress.say(f"Stage II of {cfg.clients} clients x {cfg.num_params:,} parameters on {workers} worker "
+                     f"pair(s), --offline {offline} ...", quiet=quiet)
+        t0 = time.perf_counter()
+        out = run_job(keys, workers, cfg.to_json(), data_path, method, t_delta, offline=offline,
+                      dealer_address=dealer.address if dealer else None)
+        wall = time.perf_counter() - t0
+    finally:
+        if dealer is not None:
+            dealer.stop()
+        shutil.rmtree(keys, ignore_errors=True)
+    failed = [o[1] for o in out if o[0] != "ok"]
+    if failed:
+        raise RuntimeError(failed[0].splitlines()[0] + "\n" + failed[0][-1500:])
+    v0, v1 = (o[1] for o in out)
+    progress.say("plaintext twin ...", quiet=quiet)
+    twin = plaintext_check(cfg, data_path, method, t_delta, v0, quiet)
+    return {"workers": workers, "offline": offline, "wall_s": wall,
+            "servers_agree": bool(np.array_equal(v0["model"], v1["model"])),
+            "selected_rounds": v0["selected_rounds"], "flags": v0["flags"],
+            "estimated_updates": v0["estimated_updates"], "warmup_steps": v0["warmup_steps"],
+            "servers": [{k: v for k, v in r.items() if k in ("start_s", "job_s", "coordinator", "workers")}
+                        for r in (v0, v1)],
+            "plaintext_twin": twin}
