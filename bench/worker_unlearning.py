@@ -16,8 +16,10 @@ is fetched online (no recorded schedule), so its bytes count as each session's o
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import resource
 import shutil
+import signal
 import socket
 import tempfile
 import threading
@@ -40,73 +42,127 @@ def _traffic(meters: dict) -> dict:
         {"rounds": tot.get("online_rounds", 0)}
 
 
-def _coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, spec: dict, data_path: str,
-                 method: str, t_delta: int, options: dict, peer, out) -> None:
-    """Server ``rank``'s coordinator: its workers, the sessions, Stage II; ("ok", report) or
-    ("error", text) through ``out``."""
+class _KillAt:
+    """The group as Stage II reaches it, killing (SIGKILL) the last worker just before program
+    number ``at`` (a fault test: the worker dies with its pair's session open, mid-job)."""
+
+    def __init__(self, group: Any, at: int) -> None:
+        self.group, self.at, self.calls, self.killed_at = group, at, 0, None
+        self.bounds = group.bounds
+
+    def scatter(self, name: str, share: np.ndarray) -> None:
+        self.group.scatter(name, share)
+
+    def drop(self, names: list[str]) -> None:
+        self.group.drop(names)
+
+    def run(self, program, *args, per_shard=None) -> list[Any]:
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(self.group.state()[-1]["pid"], signal.SIGKILL)
+            self.killed_at = time.time()
+        return self.group.run(program, *args, per_shard=per_shard)
+
+
+def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, cfg: SyntheticConfig, data_path: str,
+             method: str, t_delta: int, options: dict, peer, attempt: int, kill_at: int | None,
+             held: list) -> dict:
     from mpc.session import open_party, shared_engine_pool
     from protocols.starfish import StarfishParams, run_stage2
     from protocols.starfish.on_shards import ShardClients, ShardHistory, ShardSpace
     from servers.workers.worker_group import WorkerGroup
 
-    group = party = listener = None
+    t0 = time.perf_counter()
+    group = WorkerGroup(rank, keys_dir, workers, cfg.num_params, ray_dir=ray_dir, **options)
+    held.append(group)
+    listener = party = None
     try:
-        torch.set_num_threads(1)
-        cfg = SyntheticConfig.from_json(spec)
-        t0 = time.perf_counter()
-        group = WorkerGroup(rank, keys_dir, workers, cfg.num_params, ray_dir=ray_dir, **options)
         if rank == 1:
             listener = socket.create_server(("127.0.0.1", 0))
             peer.send((group.addresses, listener.getsockname()[:2]))
             peers, address = None, None
         else:
             peers, address = peer.recv()
-        group.open(b"stage2:on-shards:pairs", peers)
+        group.open(f"stage2:on-shards:pairs:{attempt}".encode(), peers)
         source: dict[str, Any] = {"offline": options["offline"]}
         if options["offline"] == "dealer":
             source["dealer_address"] = options["dealer_address"]
         else:
             source["engine_pool"] = shared_engine_pool()
         party = open_party(rank, keys_dir, peer_listener=listener, peer_address=address,
-                           ticket=b"stage2:on-shards:coordinators", timeout=options["timeout"], **source)
+                           ticket=f"stage2:on-shards:coordinators:{attempt}".encode(), timeout=options["timeout"],
+                           **source)
         started = time.perf_counter() - t0
         hist = SyntheticHistory(cfg, load_data(data_path), rank, party.wrap_share)
         clients = SyntheticClients(hist)
-        space = ShardSpace(group, cfg.num_params)
+        ex = _KillAt(group, kill_at) if kill_at else group
+        space = ShardSpace(ex, cfg.num_params)
         params = StarfishParams(sigma=cfg.sigma, beta=cfg.beta, buffer=cfg.buffer, method=method, t_delta=t_delta)
         t1 = time.perf_counter()
-        res = run_stage2(party, ShardHistory(hist, space), list(cfg.targets), params, ShardClients(clients, space))
+        try:
+            res = run_stage2(party, ShardHistory(hist, space), list(cfg.targets), params, ShardClients(clients, space))
+        except Exception as exc:
+            exc.killed_at = getattr(ex, "killed_at", None)   # type: ignore[attr-defined]
+            raise
         job = time.perf_counter() - t1
         space.close()
         report = res.to_json()
         report.update(model=res.model.numpy(), start_s=started, job_s=job,
                       coordinator={"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                                    **_traffic(party.meters()), "steps": party.meters()["steps"]},
-                      workers=[{"peak_rss_mib": s.get("peak_rss_mib"), **_traffic(m)}
-                               for s, m in zip(group.state(), group.meters())])
+                      workers=[{"peak_rss_mib": st.get("peak_rss_mib"), **_traffic(m)}
+                               for st, m in zip(group.state(), group.meters())])
         group.close()
-        out.send(("ok", report))
-    except BaseException as exc:  # noqa: BLE001 - reported to the caller
-        out.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"))
+        return report
     finally:
         if party is not None:
             party.close()
         if listener is not None:
             listener.close()
-        if group is not None:
-            group.shutdown()
+
+
+def _coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, spec: dict, data_path: str,
+                 method: str, t_delta: int, options: dict, peer, out, kill_at: int | None = None) -> None:
+    """Server ``rank``'s coordinator: its workers, the sessions, Stage II; ("ok", report) or
+    ("error", text) through ``out``. ``kill_at`` (a fault test): server 0 kills its last worker
+    before the job's program number ``kill_at``; each server reports the failed run (its one
+    line, and when it failed) and runs the job again on new workers, as the daemon does."""
+    held: list = []
+    failed: list[dict] = []
+    try:
+        torch.set_num_threads(1)
+        cfg = SyntheticConfig.from_json(spec)
+        for attempt in range(1, 3 if kill_at else 2):
+            try:
+                report = _attempt(rank, keys_dir, ray_dir, workers, cfg, data_path, method, t_delta, options, peer,
+                                  attempt, kill_at if attempt == 1 and rank == 0 else None, held)
+            except Exception as exc:  # noqa: BLE001 - the run failed: reported, then run again
+                failed.append({"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:1000],
+                               "failed_at": time.time(), "killed_at": getattr(exc, "killed_at", None)})
+                held[-1].stop_workers()
+                continue
+            out.send(("ok", dict(report, failed_runs=failed)))
+            return
+        raise RuntimeError(failed[-1]["error"] if failed else "no run")
+    except BaseException as exc:  # noqa: BLE001 - reported to the caller
+        out.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"))
+    finally:
+        if held:
+            held[-1].shutdown()
 
 
 def run_job(keys_dir: str, workers: int, spec: dict, data_path: str, method: str, t_delta: int, *,
-            offline: str, dealer_address=None, timeout: float = 600.0, wait: float = 7200.0) -> list[tuple]:
-    """Both coordinators' reports (rank 0, rank 1) of one Stage II on ``workers`` pairs."""
+            offline: str, dealer_address=None, timeout: float = 600.0, wait: float = 7200.0,
+            kill_at: int | None = None) -> list[tuple]:
+    """Both coordinators' reports (rank 0, rank 1) of one Stage II on ``workers`` pairs
+    (``kill_at``: see ``_coordinator``)."""
     ctx = mp.get_context("spawn")
     peer0, peer1 = ctx.Pipe()
     results = [ctx.Pipe(duplex=False) for _ in (0, 1)]
     options = {"offline": offline, "dealer_address": dealer_address, "timeout": timeout}
     ray_dirs = [tempfile.mkdtemp(prefix=f"sfray{r}-") for r in (0, 1)]   # AF_UNIX paths: short
     procs = [ctx.Process(target=_coordinator, args=(r, keys_dir, ray_dirs[r], workers, spec, data_path, method,
-                                                   t_delta, options, (peer0, peer1)[r], results[r][1]))
+                                                   t_delta, options, (peer0, peer1)[r], results[r][1], kill_at))
              for r in (0, 1)]
     try:
         for p in procs:

@@ -83,7 +83,7 @@ REVOCATION_POLL = 1.0
 #: The result fields ``job_status`` shows of a finished job.
 RESULT_FIELDS = ("rounds", "attempt", "selected_rounds", "flags", "correction_steps", "warmup_steps", "wall_seconds",
                  "model_sha256", "client_exact_updates", "absent_answers", "client_missed_answers",
-                 "client_refused_answers", "correction_wait_seconds", "replay_rules", "meters")
+                 "client_refused_answers", "correction_wait_seconds", "replay_rules", "meters", "worker_meters")
 
 
 def _disk_full(exc: BaseException | None) -> bool:

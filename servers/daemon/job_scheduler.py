@@ -62,7 +62,7 @@ from servers.daemon.peer_messages import (
 from servers.secure.ring_aggregation import model_digest
 from servers.daemon.service_state import ServiceState
 from servers.store.share_store import ShareStore
-from servers.secure.unlearning_jobs import job_params, read_result, run_job
+from servers.secure.unlearning_jobs import JobWorkers, job_params, read_result, run_job
 
 __all__ = ["JobScheduler", "JobCancelled", "MAX_JOB_ATTEMPTS", "PENDING", "MAX_REQUESTED",
            "ADMIN_PENDING_JOBS", "SUPERSEDED", "job_quota"]
@@ -98,8 +98,9 @@ class JobScheduler:
 
     def __init__(self, cfg: ServiceConfig, party: int, store: ShareStore, state: ServiceState,
                  board: TaskBoard, *, results_dir: Path, mpc_listener: socket.socket | None,
-                 peer: PeerClient | None, stop: threading.Event) -> None:
+                 peer: PeerClient | None, stop: threading.Event, workers: JobWorkers | None = None) -> None:
         self.cfg = cfg
+        self.workers = workers     # [deployment] workers > 1: a job's Stage II on coordinate shards
         self.party = party
         self.store = store
         self.state = state
@@ -417,7 +418,7 @@ class JobScheduler:
                                    job_id=jid, targets=list(rec.targets), rounds=rounds,
                                    results_dir=self.results_dir, mpc_listener=self.mpc_listener,
                                    stop=self.stop_event, attempt=attempt,
-                                   progress=lambda fr, info: self._progress(jid, fr))
+                                   progress=lambda fr, info: self._progress(jid, fr), workers=self.workers)
             self.store.update_job(jid, state=JobState.COMPUTED, progress=1.0, result_path=path,
                                   result_digest=digest)
             log.info("job %s computed (run %d): model %s", jid, attempt, digest[:16])

@@ -145,7 +145,8 @@ class ServerDaemon:
                           workers=self.workers))
         self.jobs = JobScheduler(cfg, party, self.store, self.state, self.board,
                                  results_dir=self.data_dir / "results",
-                                 mpc_listener=self._mpc_listener, peer=self.peer, stop=self.stop_event)
+                                 mpc_listener=self._mpc_listener, peer=self.peer, stop=self.stop_event,
+                                 workers=self.workers)
         self.jobs.requeue_interrupted()
         self.api = ClientAPI(cfg, party, self._api_listener, api_ctx, store=self.store, state=self.state,
                              board=self.board, rounds=self.rounds, jobs=self.jobs, stop=self.stop_event,

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -34,6 +34,8 @@ from common import wire
 from net.channel import KIND_OBJECT
 from common.service_config import ServiceConfig
 from mpc.session import open_party, session_source
+from protocols.sharded import ShardExecutor
+from protocols.starfish.on_shards import ShardClients, ShardHistory, ShardSpace
 from protocols.starfish.params import StarfishParams
 from protocols.starfish.robust_replay import RuleCombine
 from protocols.starfish.stage2 import run_stage2
@@ -45,7 +47,25 @@ from servers.secure.robust_steps import replay_rule
 from servers.secure.share_history import ShareHistory
 from servers.store.share_store import ShareStore
 
-__all__ = ["run_job", "starfish_params", "job_params", "write_result", "read_result"]
+__all__ = ["run_job", "starfish_params", "job_params", "write_result", "read_result", "JobWorkers", "on_shards"]
+
+
+class JobWorkers(Protocol):
+    """A server's workers as a job uses them (``servers.workers.server_workers.ServerWorkers``)."""
+
+    def open_job(self, party: Any, ticket: bytes) -> ShardExecutor:
+        """The worker pairs' sessions ``ticket`` for this job, met through the job's session."""
+
+    def end_job(self, failed: str | None) -> list[dict]:
+        """Close the pairs' sessions (or, after a failure, end the workers); their meters."""
+
+
+def on_shards(cfg: ServiceConfig, store: ShareStore, rounds: int) -> bool:
+    """Whether a job over rounds 1..``rounds`` runs on the workers: a deployment with workers
+    whose history was aggregated by FedAvg throughout (a robust replay runs at the coordinator:
+    its rules are not written for shards yet). Both servers decide alike (config and metadata)."""
+    return cfg.workers > 1 and all(store.metadata(t).get("aggregator", "fedavg") == "fedavg"
+                                   for t in range(1, rounds + 1))
 
 
 def starfish_params(cfg: ServiceConfig) -> StarfishParams:
@@ -108,15 +128,23 @@ def _step_checkpoints(party: Any) -> None:
 def run_job(*, rank: int, cfg: ServiceConfig, store: ShareStore, board: TaskBoard, job_id: str,
             targets: list[int], rounds: int, results_dir: Path,
             mpc_listener: socket.socket | None, stop: threading.Event, attempt: int = 1,
-            progress: Callable[[float, str], None] | None = None) -> tuple[Path, str]:
+            progress: Callable[[float, str], None] | None = None,
+            workers: JobWorkers | None = None) -> tuple[Path, str]:
     """Open the 2PC session of run ``attempt``, run Stage II on this party's shares, write the
     result; returns its path and the model's digest (the same on both servers).
+
+    ``workers`` (``[deployment] workers`` > 1, :func:`on_shards`): Stage II with every m-long
+    value on the workers' coordinate shards (``protocols.starfish.on_shards``), the pairs'
+    sessions met through this job's session; any failure ends the workers (the next run starts
+    new ones).
 
     ``progress`` is called after every replayed round; it may raise to abandon the run (a
     cancelled job): the session is closed and the other server's run then fails too.
     """
     timeout = max(cfg.unlearning.session_timeout, cfg.unlearning.correction_timeout + 60.0)
     t0 = time.perf_counter()
+    space: ShardSpace | None = None
+    worker_meters: list[dict] = []
     party = open_party(
         rank, cfg.keys_dir,
         peer_listener=mpc_listener if rank == 1 else None,
@@ -137,6 +165,12 @@ def run_job(*, rank: int, cfg: ServiceConfig, store: ShareStore, board: TaskBoar
         clients = ServiceCorrectionClients(board, party, job_id, timeout=cfg.unlearning.correction_timeout,
                                            dim=store.dim, precision=store.precision, attempt=attempt,
                                            stop=stop, history=history)
+        stage_history: Any = history
+        stage_clients: Any = clients
+        if workers is not None and on_shards(cfg, store, rounds):
+            space = ShardSpace(workers.open_job(party, f"job:{job_id}:attempt:{attempt}:shards".encode()),
+                               store.dim)
+            stage_history, stage_clients = ShardHistory(history, space), ShardClients(clients, space)
 
         def on_step(done: int, total: int, info: str) -> None:
             if progress is not None:
@@ -145,8 +179,8 @@ def run_job(*, rank: int, cfg: ServiceConfig, store: ShareStore, board: TaskBoar
         # each replayed round steps with the rule its metadata records (FedAvg, FedSECA, BRACE),
         # on the shares; only the round's direction is opened, as in the FedAvg replay
         combine = RuleCombine(lambda t: replay_rule(cfg.fl, store.metadata(t)), meter=party.meter)
-        result = run_stage2(party, history, targets, starfish_params(cfg), clients, progress=on_step,
-                            combine=combine)
+        result = run_stage2(party, stage_history, targets, starfish_params(cfg), stage_clients,
+                            progress=on_step, combine=combine)
         model = result.model.detach().to(torch.float64).numpy().copy()
         digest = model_digest(model)
         party.channel.send_frame(KIND_OBJECT, wire.pack({"job": job_id, "model_sha256": digest}))
@@ -154,7 +188,13 @@ def run_job(*, rank: int, cfg: ServiceConfig, store: ShareStore, board: TaskBoar
         if other.get("model_sha256") != digest:
             raise LockstepError(f"job {job_id}: the servers computed different models")
         meters = party.meters()
+        if space is not None:
+            del stage_history, stage_clients
+            space.close()
+            worker_meters, space = workers.end_job(None), None
     finally:
+        if space is not None:
+            workers.end_job("the job's run failed")
         party.close()
         board.close_job(job_id)
     summary = {
@@ -168,5 +208,7 @@ def run_job(*, rank: int, cfg: ServiceConfig, store: ShareStore, board: TaskBoar
         "client_refused_answers": {str(k): v for k, v in sorted(clients.refused.items())},
         "correction_wait_seconds": clients.wait_seconds,
         "meters": meters,
+        # each worker pair's traffic (on shards; the coordinators' is in ``meters``)
+        **({"worker_meters": worker_meters} if worker_meters else {}),
     }
     return write_result(results_dir, job_id, model, summary), digest

@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from common import wire
 from common.service_config import ServiceConfig
+from net.channel import KIND_OBJECT
 from net import tls
 from servers.store.share_store import ShareStore
 
@@ -179,6 +181,32 @@ class ServerWorkers:
             group.drop(list(prepared.names))
             return [j for j, ok in zip(prepared.participants, bits) if ok]
         return self._guarded(run)
+
+    # ------------------------------------------------------------------ an unlearning job
+    def open_job(self, party: Any, ticket: bytes) -> WorkerGroup:
+        """The pairs' sessions ``ticket`` for a job (``servers.secure.unlearning_jobs.JobWorkers``):
+        server 1 sends where its workers wait over the job's own session, server 0 reads it."""
+        def meet(group: WorkerGroup) -> WorkerGroup:
+            if self.rank == 1:
+                party.channel.send_frame(KIND_OBJECT, wire.pack({"workers": [f"{h}:{p}" for h, p in self.addresses()]}))
+                peers = None
+            else:
+                msg = wire.unpack(party.channel.recv_frame(KIND_OBJECT), 1 << 16)
+                peers = [(h, int(p)) for h, _, p in (a.rpartition(":") for a in msg.get("workers", []))]
+                if len(peers) != self.cfg.workers:
+                    raise RuntimeError(f"server 1 runs {len(peers)} workers and this server {self.cfg.workers}: "
+                                       "[deployment] workers must be the same at both servers")
+            group.open(ticket, peers)
+            return group
+        return self._guarded(meet)
+
+    def end_job(self, failed: str | None) -> list[dict]:
+        """After a job's run: each pair's meters and its session closed, or (``failed``: why) the
+        workers ended, so that the next run starts new ones."""
+        if failed is not None:
+            self.reset(failed)
+            return []
+        return self._guarded(lambda group: (group.meters(), group.close())[0])
 
     def release(self, prepared: PreparedCheck) -> None:
         """Drop a prepared check's shares that no check consumed (its round moved on)."""

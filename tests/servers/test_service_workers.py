@@ -1,7 +1,8 @@
 """The service with each server as a coordinator and 2 Ray workers (``[deployment] workers = 2``).
 
 3 clients, 4 FL rounds, each closed after a range check on coordinate shards (each worker pair
-checks its shard, the coordinators decide); client 0 asks to be forgotten after round 2; server
+checks its shard, the coordinators decide); client 0 asks to be forgotten after round 2 and the
+job's Stage II runs with every update, secant and estimate on the shards; server
 0's worker 1 is killed (SIGKILL) once round 1 is committed, with the next round open. Oracles:
 plaintext FedAvg for every FL round (the clients' own check), the plaintext Stage II on the twin
 history, what ``status`` shows (every worker up before, a new group of workers after the kill:
@@ -152,6 +153,9 @@ def test_the_job_is_adopted_at_both_servers_and_equals_the_twin(run):
     assert np.array_equal(job_model(recs[0]), job_model(recs[1]))
     assert summary["refused_uploads"]["0"].startswith("forgotten")
     res = recs[0]["result"]
+    # Stage II ran on the shards: each pair's traffic is in the job's record
+    assert len(res["worker_meters"]) == K
+    assert all(m["total"]["online_bytes_sent"] > 0 for m in res["worker_meters"])
     plain = stage2_twin(dep, summary, res, [0], N)
     assert res["selected_rounds"] == plain.selected_rounds
     assert {int(k): v for k, v in res["flags"].items()} == plain.flags
