@@ -21,7 +21,7 @@ from . import backend as B
 from .backend import Tensor
 from .compare import ge
 
-__all__ = ["any_exceeds", "exceed_counts", "flags_from_counts"]
+__all__ = ["any_exceeds", "exceed_counts", "exceed_counts_blocked", "flags_from_counts"]
 
 
 def any_exceeds(x: Tensor, d: Tensor) -> torch.Tensor:
@@ -57,6 +57,22 @@ def exceed_counts(x: Tensor, d: Tensor) -> Tensor:
     x2 = sq[..., :-1]
     d2 = sq[..., -1:]
     return ge(x2, d2).sum(-1)
+
+
+def exceed_counts_blocked(x: Tensor, d: Tensor, elements: int) -> Tensor:
+    """:func:`exceed_counts` over blocks of columns of at most ``elements`` values in all (the
+    counts add): a comparison's temporaries are tens of ring elements per value, so a worker's
+    peak memory follows the block, not its whole shard. One block: :func:`exceed_counts`."""
+    rows = max(1, int(x.shape[0])) if len(x.shape) > 1 else 1
+    cols = int(x.shape[-1])
+    step = max(1, elements // rows)
+    if step >= cols:
+        return exceed_counts(x, d)
+    total = None
+    for lo in range(0, cols, step):
+        part = exceed_counts(x[..., lo:lo + step], d)
+        total = part if total is None else total + part
+    return total
 
 
 def flags_from_counts(count: Tensor) -> torch.Tensor:

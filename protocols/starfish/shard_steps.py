@@ -19,7 +19,7 @@ import torch
 from mpc.crypten_compat import crypten
 from protocols import backend as B
 from protocols.inner_product import inner_raw
-from protocols.threshold import exceed_counts
+from protocols.threshold import exceed_counts_blocked
 
 from .pair_buffers import curvature_sums
 from .update_estimation import HvpCoefficients, hvp_apply, hvp_sums
@@ -101,11 +101,17 @@ def hvp_apply_program(party, worker, out: str, y_refs: list, y_bits: int, stored
     return B.bits_of(est)
 
 
-def counts_program(party, worker, refs: list, bits: int, thresholds: tuple[np.ndarray, int]) -> np.ndarray:
-    """SecTC's per-row count of coordinates at or above the threshold on this shard (a share)."""
+#: values per comparison batch of SecTC at a worker (its memory follows the batch)
+TC_BLOCK = 1 << 21
+
+
+def counts_program(party, worker, refs: list, bits: int, thresholds: tuple[np.ndarray, int],
+                   block: int = TC_BLOCK) -> np.ndarray:
+    """SecTC's per-row count of coordinates at or above the threshold on this shard (a share),
+    compared ``block`` values at a time."""
     with party.meter("TC"):
         x = B.rescale(wrap(_stacked(worker, refs), bits))
-        return exceed_counts(x, wrap(*thresholds)).share.numpy().copy()
+        return exceed_counts_blocked(x, wrap(*thresholds), block).share.numpy().copy()
 
 
 def inner_program(party, worker, refs: list, bits: int, other: Any, e: int | None) -> tuple[np.ndarray, int]:

@@ -22,7 +22,7 @@ from mpc.crypten_compat import crypten
 from protocols.backend import bits_of, cat, lift, reveal, to_shared_like
 from protocols.starfish.pair_buffers import curvature_decide, curvature_ok, curvature_sums
 from protocols.starfish.update_estimation import estimate_updates, hvp_apply, hvp_solve, hvp_sums
-from protocols.threshold import exceed_counts, flags_from_counts
+from protocols.threshold import exceed_counts, exceed_counts_blocked, flags_from_counts
 from servers.workers.shards import shard_bounds
 from tests.protocols.starfish.test_update_estimation import dense_bfgs, random_pairs
 
@@ -39,10 +39,10 @@ def _sharded_estimate(stored, v, S, Y, bounds):
     return hv + lift(to_shared_like(stored), bits_of(hv))
 
 
-def _sharded_flags(x, d, bounds):
+def _sharded_flags(x, d, bounds, block=None):
     counts = None
     for lo, hi in bounds:
-        c = exceed_counts(x[:, lo:hi], d)
+        c = exceed_counts(x[:, lo:hi], d) if block is None else exceed_counts_blocked(x[:, lo:hi], d, block)
         counts = c if counts is None else counts + c
     return flags_from_counts(counts)
 
@@ -61,7 +61,7 @@ def shards_program(party, case):
     Y, stored = share(case["Y"]), share(case["stored"])
     whole = reveal(estimate_updates(stored, v, S, Y)).numpy()
     sharded = reveal(_sharded_estimate(stored, v, S, Y, bounds)).numpy()
-    flags = _sharded_flags(share(case["x"]), share(case["d"]), bounds).numpy()
+    flags = _sharded_flags(share(case["x"]), share(case["d"]), bounds, case["block"]).numpy()
     ys = [share(y) for y in case["ys"]]
     accepted = _sharded_curvature(case["s"], ys, bounds)
     return {"whole": whole, "sharded": sharded, "flags": flags, "accepted": accepted}
@@ -100,7 +100,8 @@ def cases(draw):
             ys.append(noise - (noise @ s) / (s @ s) * s)
     return {"S": S, "Y": Y, "v": v, "stored": stored, "bounds": shard_bounds(m, k),
             "x": torch.from_numpy(x_enc / 2**16), "d": torch.from_numpy(d_enc / 2**16),
-            "x_enc": x_enc, "d_enc": d_enc, "s": s, "ys": ys}
+            "x_enc": x_enc, "d_enc": d_enc, "s": s, "ys": ys,
+            "block": draw(st.sampled_from([None, 1, n, 2 * n + 1, 10**6]))}   # SecTC's batches of values
 
 
 @given(case=cases())
@@ -110,7 +111,7 @@ def test_shard_sums_equal_the_whole_in_2pc_and_plaintext(pair, case):
     plain = _sharded_estimate(stored, v, S, Y, bounds).numpy()
     assert np.allclose(plain, dense, rtol=1e-6, atol=1e-6)
     want_flags = [bool((row.astype(object) ** 2 >= int(d) ** 2).any()) for row, d in zip(case["x_enc"], case["d_enc"])]
-    assert _sharded_flags(case["x"], case["d"], bounds).tolist() == want_flags
+    assert _sharded_flags(case["x"], case["d"], bounds, case["block"]).tolist() == want_flags
     want_curv = curvature_ok(case["s"], case["ys"])
     assert _sharded_curvature(case["s"], case["ys"], bounds) == want_curv
     out0, out1 = pair.call(shards_program, case)
