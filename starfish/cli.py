@@ -37,6 +37,8 @@ _BENCH: dict[str, tuple[str, str, str]] = {
                     "online/offline bytes, rounds, seconds", "bench.range_check", "main"),
     "scaling": ("cost of one unlearning round vs clients, model size and rounds; PNG plots",
                 "bench.scaling", "main"),
+    "scale": ("a model of one Stage II on K workers per server, calibrated on `bench unlearning --workers` "
+              "runs: time, traffic, memory per worker up to D = 100M, N = 1,000; JSON and PNG", "bench.scale", "main"),
     "aggregation": ("one FL round's Byzantine-robust aggregation in 2PC (FedSECA or BRACE's sign vote), "
                     "MNIST shapes: bytes, rounds, seconds per step", "bench.robust_aggregation", "main"),
     "training": ("one FL round's local training, clients batched (vmap) vs one after another: seconds, "

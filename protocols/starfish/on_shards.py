@@ -46,7 +46,7 @@ from .pair_buffers import curvature_decide
 from .ports import CorrectionClients, History, RoundRecord, Secret
 from .update_estimation import HvpSums, hvp_solve
 
-__all__ = ["ShardSpace", "ShardVector", "ShardMatrix", "ShardHistory", "ShardClients"]
+__all__ = ["ShardSpace", "ShardVector", "ShardMatrix", "ShardHistory", "ShardClients", "PublicColumns"]
 
 
 class ShardSpace:
@@ -60,6 +60,7 @@ class ShardSpace:
             raise ValueError(f"shards {self.bounds} do not cover {dim} coordinates")
         self._live: Counter[str] = Counter()
         self._gone: list[str] = []
+        self._public: dict[int, tuple[weakref.ref, str]] = {}
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ names
@@ -101,6 +102,25 @@ class ShardSpace:
         self.flush()
         self.ex.scatter(name, share)
         return ShardVector(self, (name, None), bits)
+
+    def public(self, t: torch.Tensor) -> str:
+        """The workers' name of a public m-vector (s, the model difference), sent once while the
+        coordinator keeps the tensor (its float64 bits travel as int64: what a worker holds)."""
+        key = id(t)
+        held = self._public.get(key)
+        if held is not None and held[0]() is t:
+            return held[1]
+        name = self.name("p")
+        self.flush()
+        self.ex.scatter(name, np.ascontiguousarray(t.detach().to(torch.float64).numpy()).view(np.int64))
+        self.hold(name)
+        self._public[key] = (weakref.ref(t, lambda _ref, k=key, n=name: self._forget_public(k, n)), name)
+        return name
+
+    def _forget_public(self, key: int, name: str) -> None:
+        if self._public.get(key, (None, None))[1] == name:
+            del self._public[key]
+        self.release(name)
 
     def gather(self, parts: Sequence[tuple[np.ndarray, int]]) -> Any:
         """The sum of the shards' shares of a value (local), as a sharing of this session."""
@@ -181,8 +201,7 @@ class ShardVector(_Held):
     def curvature(self, s: torch.Tensor, ys: list, min_cos: float) -> list[bool]:
         """The curvature test of the secants ``ys`` (``pair_buffers``) from per-shard sums."""
         bits = {y.bits for y in ys}.pop()
-        parts = self.space.run(steps.curvature_program, [y.ref for y in ys], bits,
-                               per_shard=[(s[lo:hi],) for lo, hi in self.space.bounds])
+        parts = self.space.run(steps.curvature_program, [y.ref for y in ys], bits, self.space.public(s))
         return curvature_decide(sum(p[0] for p in parts), self.space.gather([p[1] for p in parts]),
                                 self.space.gather([p[2] for p in parts]), min_cos)
 
@@ -216,18 +235,24 @@ class ShardMatrix(_Held):
             raise ValueError("shard matrices stack as one client's columns per row only")
         return ShardMatrix(self.space, [x.refs for x in xs], xs[0].bits)
 
+    def public_columns(self, cols: list[list[torch.Tensor]]) -> PublicColumns:
+        """The public S beside these L-BFGS columns, kept as its columns (``PairBuffers.stacked``)."""
+        return PublicColumns(self.space, cols)
+
     # ------------------------------------------------------------------ Starfish's steps
-    def estimate(self, model_diff: torch.Tensor, S: torch.Tensor, Y: ShardMatrix, inverse: Any) -> ShardMatrix:
+    def estimate(self, model_diff: torch.Tensor, S: Any, Y: ShardMatrix, inverse: Any) -> ShardMatrix:
         """UE on the shards: g_hat = g + H v for every row (``update_estimation``, three phases)."""
         sp = self.space
-        per = [(S[..., lo:hi, :], model_diff[lo:hi]) for lo, hi in sp.bounds]
-        parts = sp.run(steps.hvp_sums_program, Y.refs, Y.bits, per_shard=per)
+        if not isinstance(S, PublicColumns):
+            S = PublicColumns(sp, [[S[r, :, c] for c in range(S.shape[-1])] for r in range(S.shape[0])])
+        s_refs, v_ref = S.names(), sp.public(model_diff)
+        parts = sp.run(steps.hvp_sums_program, Y.refs, Y.bits, s_refs, v_ref)
         sums = HvpSums(sum(p[0] for p in parts), sum(p[1] for p in parts),
                        sp.gather([p[2] for p in parts]), sp.gather([p[3] for p in parts]))
         c = hvp_solve(sums, inverse)
         coef = [steps.share_of(x) for x in (c.sigma, c.sigma_z1, c.z2)]
         out = sp.name("e")
-        bits = sp.run(steps.hvp_apply_program, out, Y.refs, Y.bits, self.refs, self.bits, coef, per_shard=per)[0]
+        bits = sp.run(steps.hvp_apply_program, out, Y.refs, Y.bits, self.refs, self.bits, coef, s_refs, v_ref)[0]
         return ShardMatrix(sp, [(out, r) for r in range(len(self))], bits)
 
     def exceeds(self, thresholds: Any) -> torch.Tensor:
@@ -303,3 +328,18 @@ class ShardClients:
 
     def exact_updates(self, round_index: int, model: torch.Tensor, client_ids: list[int]) -> dict[int, Secret]:
         return {j: self.space.put(x) for j, x in self._base.exact_updates(round_index, model, client_ids).items()}
+
+
+class PublicColumns:
+    """S (n, m, B), public, as its columns: each distinct s tensor goes to the workers once
+    (``ShardSpace.public``) and every estimate names it instead of sending it."""
+
+    def __init__(self, space: ShardSpace, cols: list[list[torch.Tensor]]) -> None:
+        self.space, self.cols = space, cols
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.cols), self.space.dim, len(self.cols[0]) if self.cols else 0)
+
+    def names(self) -> list[list[str]]:
+        return [[self.space.public(s) for s in row] for row in self.cols]

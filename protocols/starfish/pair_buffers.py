@@ -156,7 +156,11 @@ class PairBuffers:
         return [list(self._masks[j]) for j in clients]
 
     def stacked(self, clients: Sequence[int]) -> tuple[torch.Tensor, Any]:
-        """S (n, m, B) public and Y (n, m, B), oldest pair first."""
-        S = torch.stack([torch.stack(self._s[j], dim=-1) for j in clients])
+        """S (n, m, B) public and Y (n, m, B), oldest pair first. With Y on coordinate shards, S
+        stays as its columns (``Y.public_columns``): the workers keep each public s once instead of
+        the coordinator forming and sending n x m x B values for every estimate."""
         Y = stack([stack(self._y[j], dim=-1) for j in clients])
+        if is_sharded(Y):
+            return Y.public_columns([list(self._s[j]) for j in clients]), Y
+        S = torch.stack([torch.stack(self._s[j], dim=-1) for j in clients])
         return S, Y

@@ -58,6 +58,16 @@ def _stacked(worker: Any, refs: Sequence[Any]) -> np.ndarray:
     return _array(worker, refs)
 
 
+def _public(worker: Any, name: str) -> torch.Tensor:
+    """A public vector kept at the worker (``ShardSpace.public``: float64 bits held as int64)."""
+    return torch.from_numpy(worker.share(name).view(np.float64))
+
+
+def _public_columns(worker: Any, names: list[list[str]]) -> torch.Tensor:
+    """S (n, m_k, B) from the names of its columns."""
+    return torch.stack([torch.stack([_public(worker, n) for n in row], dim=-1) for row in names])
+
+
 def sub_program(party, worker, out: str, a: Ref, b: Ref) -> None:
     """out = a - b (same bits; local)."""
     with np.errstate(over="ignore"):     # the ring wraps
@@ -83,19 +93,20 @@ def open_program(party, worker, ref: Ref, bits: int) -> np.ndarray:
         return B.reveal(wrap(_array(worker, ref), bits)).numpy()
 
 
-def hvp_sums_program(party, worker, y_refs: list, y_bits: int, S: torch.Tensor, v: torch.Tensor) -> tuple:
+def hvp_sums_program(party, worker, y_refs: list, y_bits: int, s_names: list[list[str]], v_name: str) -> tuple:
     """UE's sums over this shard (``update_estimation.hvp_sums``): public S^T S, S^T v; shares
     of S^T Y and Y^T v."""
     with party.meter("UE"):
-        sums = hvp_sums(S, wrap(_stacked(worker, y_refs), y_bits), v)
+        sums = hvp_sums(_public_columns(worker, s_names), wrap(_stacked(worker, y_refs), y_bits), _public(worker, v_name))
     return sums.sts, sums.stv, share_of(sums.sty), share_of(sums.ytv)
 
 
 def hvp_apply_program(party, worker, out: str, y_refs: list, y_bits: int, stored: list, stored_bits: int,
-                      coef: Sequence[tuple[np.ndarray, int]], S: torch.Tensor, v: torch.Tensor) -> int:
+                      coef: Sequence[tuple[np.ndarray, int]], s_names: list[list[str]], v_name: str) -> int:
     """g_hat = g + H v on this shard from the coordinators' coefficients; kept as ``out``."""
     with party.meter("UE"):
-        hv = hvp_apply(S, wrap(_stacked(worker, y_refs), y_bits), v, HvpCoefficients(*(wrap(a, b) for a, b in coef)))
+        hv = hvp_apply(_public_columns(worker, s_names), wrap(_stacked(worker, y_refs), y_bits), _public(worker, v_name),
+                       HvpCoefficients(*(wrap(a, b) for a, b in coef)))
         est = hv + B.lift(wrap(_stacked(worker, stored), stored_bits), B.bits_of(hv))
     worker.put(out, est.share.numpy())
     return B.bits_of(est)
@@ -121,8 +132,8 @@ def inner_program(party, worker, refs: list, bits: int, other: Any, e: int | Non
     return share_of(inner_raw(x, x if other is None else torch.as_tensor(other), -1, e))
 
 
-def curvature_program(party, worker, refs: list, bits: int, s: torch.Tensor) -> tuple:
+def curvature_program(party, worker, refs: list, bits: int, s_name: str) -> tuple:
     """The curvature test's sums on this shard (``pair_buffers.curvature_sums``)."""
     with party.meter("pairs"):
-        ss, u, yy = curvature_sums(s, [wrap(_array(worker, r), bits) for r in refs])
+        ss, u, yy = curvature_sums(_public(worker, s_name), [wrap(_array(worker, r), bits) for r in refs])
     return ss, share_of(u), share_of(yy)

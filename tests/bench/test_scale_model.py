@@ -1,0 +1,72 @@
+"""``starfish bench scale``: the cost model recovers known coefficients and predicts a held-out run.
+
+Oracle: runs made from known coefficients (the model's own form), so the fit must return them and
+predict a run left out of the fit; mixed offline modes and a --check outside the runs are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench import scale
+
+TRUE = {"bytes_per_shard_coordinate": 30.0, "coordinator_bytes_per_row": 2_000.0, "worker_base_mib": 300.0,
+        "worker_mib_per_held_coordinate": 1.5e-4, "seconds_per_shard_coordinate": 2e-8,
+        "coordinator_seconds_per_round": 0.4, "fixed_seconds": 3.0}
+SHAPES = [(256, 3, 10, 1), (10_000, 6, 10, 1), (10_000, 6, 10, 2), (582_026, 20, 40, 1), (582_026, 20, 40, 2),
+          (100_000, 10, 20, 4)]
+
+
+def _run(tmp_path, D, N, T, K, coef, offline="dealer", cores=2, name=None):
+    sigma = 0.6
+    rows = N * math.ceil(sigma * T)
+    p = max(1.0, min(K, cores / 2))
+    job = coef["seconds_per_shard_coordinate"] * rows * D / (K * p) + coef["coordinator_seconds_per_round"] * math.ceil(sigma * T) \
+        + coef["fixed_seconds"]
+    pair = coef["bytes_per_shard_coordinate"] * rows * D / K
+    worker = {"online": pair * 0.75, "offline": pair * 0.25, "rounds": 1,
+              "peak_rss_mib": coef["worker_base_mib"] + coef["worker_mib_per_held_coordinate"] * N * D / K}
+    coord = {"online": coef["coordinator_bytes_per_row"] * rows, "offline": 0, "rounds": 1, "peak_rss_mib": 1}
+    doc = {"benchmark": "unlearning --workers", "machine": {"cpu_count": cores},
+           "config": {"num_params": D, "clients": N, "rounds": T, "sigma": sigma},
+           "result": {"workers": K, "offline": offline,
+                      "servers": [{"job_s": job, "coordinator": coord, "workers": [worker] * K}] * 2}}
+    path = tmp_path / (name or f"run-{D}-{N}-{K}-{offline}.json")
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+@settings(max_examples=20, deadline=None)
+@given(scale_by=st.floats(0.2, 5.0), held=st.integers(0, len(SHAPES) - 1))
+def test_fit_recovers_the_coefficients_and_predicts_a_held_out_run(tmp_path_factory, scale_by, held):
+    tmp = tmp_path_factory.mktemp("scale")
+    coef = {k: v * scale_by for k, v in TRUE.items()}
+    paths = [_run(tmp, *shape, coef) for shape in SHAPES]
+    runs = [scale.load_run(p) for p in paths]
+    got = scale.fit(runs)
+    for k, v in coef.items():
+        assert got[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+    rest = scale.fit([r for i, r in enumerate(runs) if i != held])
+    D, N, T, K = SHAPES[held]
+    pr = scale.predict(rest, D, N, K, T=T, cores_per_server=1.0)
+    assert pr["seconds"] == pytest.approx(runs[held]["job_s"], rel=1e-6)
+    assert pr["pair_gb"] * 1e9 == pytest.approx(runs[held]["pair_bytes"], rel=1e-6)
+    assert pr["worker_peak_gib"] * 1024 == pytest.approx(runs[held]["worker_peak_mib"], rel=1e-6)
+
+
+def test_cli_writes_json_and_png_and_refuses_mixed_modes(tmp_path, capsys):
+    paths = [_run(tmp_path, *shape, TRUE) for shape in SHAPES]
+    out = tmp_path / "scale.json"
+    assert scale.main(paths + ["--check", paths[-1], "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["check"]["predicted"]["seconds"] == pytest.approx(doc["check"]["measured"]["seconds"], rel=1e-6)
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert max(g["D"] for g in doc["grid"]) == 100_000_000 and max(g["N"] for g in doc["grid"]) == 1_000
+    other = _run(tmp_path, 10_000, 6, 10, 1, TRUE, offline="two-party")
+    assert scale.main(paths + [other, "--out", str(tmp_path / "x.json")]) == 2
+    assert "one offline mode" in capsys.readouterr().err
