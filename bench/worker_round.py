@@ -28,7 +28,7 @@ from mpc.session import open_party
 from servers.workers.sharded_round import aggregate_on_shards, check_on_shards
 from servers.workers.worker_group import WorkerGroup
 
-__all__ = ["run_round", "coordinator"]
+__all__ = ["run_round", "coordinator", "run_pair"]
 
 
 def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np.ndarray, counts: list,
@@ -125,16 +125,22 @@ def run_round(keys_dir: str, workers: int, ring: np.ndarray, counts: list, norms
     the (n, d) encoded updates, ``norms``, ``deltas``: (n,) encoded; shared here with ``seed``."""
     rng = np.random.default_rng(seed)
     shares = [_split(np.asarray(v, dtype=np.int64), rng) for v in (ring, norms, deltas)]
+    options = {"offline": offline, "dealer_address": dealer_address, "timeout": timeout}
+    return run_pair(coordinator, lambda r, ray_dir, peer, out: (
+        r, str(keys_dir), ray_dir, workers, shares[0][r], list(counts), shares[1][r], shares[2][r], options,
+        swap_peers, peer, out, kill_worker), wait)
+
+
+def run_pair(target, args_of, wait: float) -> list[tuple]:
+    """Two coordinator processes ``target(*args_of(rank, ray_dir, peer, out))`` (spawned), each
+    with a Ray directory of its own, ``peer`` the pipe between them and ``out`` where it sends
+    ("ok", report) or ("error", text); returns both answers (rank 0, rank 1)."""
     ctx = mp.get_context("spawn")
     peer0, peer1 = ctx.Pipe()
     results = [ctx.Pipe(duplex=False) for _ in (0, 1)]
-    options = {"offline": offline, "dealer_address": dealer_address, "timeout": timeout}
     # Ray's socket paths must stay under 108 bytes: its directories go under a short /tmp name
     ray_dirs = [tempfile.mkdtemp(prefix=f"sfray{r}-") for r in (0, 1)]
-    procs = [ctx.Process(target=coordinator,
-                         args=(r, str(keys_dir), ray_dirs[r], workers, shares[0][r], list(counts),
-                               shares[1][r], shares[2][r], options, swap_peers, (peer0, peer1)[r],
-                               results[r][1], kill_worker))
+    procs = [ctx.Process(target=target, args=args_of(r, ray_dirs[r], (peer0, peer1)[r], results[r][1]))
              for r in (0, 1)]
     try:
         for p in procs:

@@ -15,7 +15,6 @@ is fetched online (no recorded schedule), so its bytes count as each session's o
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import resource
 import shutil
@@ -32,6 +31,7 @@ import torch
 
 from . import progress
 from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, load_data
+from .worker_round import run_pair
 
 __all__ = ["run_job", "bench"]
 
@@ -156,27 +156,9 @@ def run_job(keys_dir: str, workers: int, spec: dict, data_path: str, method: str
             kill_at: int | None = None) -> list[tuple]:
     """Both coordinators' reports (rank 0, rank 1) of one Stage II on ``workers`` pairs
     (``kill_at``: see ``_coordinator``)."""
-    ctx = mp.get_context("spawn")
-    peer0, peer1 = ctx.Pipe()
-    results = [ctx.Pipe(duplex=False) for _ in (0, 1)]
     options = {"offline": offline, "dealer_address": dealer_address, "timeout": timeout}
-    ray_dirs = [tempfile.mkdtemp(prefix=f"sfray{r}-") for r in (0, 1)]   # AF_UNIX paths: short
-    procs = [ctx.Process(target=_coordinator, args=(r, keys_dir, ray_dirs[r], workers, spec, data_path, method,
-                                                   t_delta, options, (peer0, peer1)[r], results[r][1], kill_at))
-             for r in (0, 1)]
-    try:
-        for p in procs:
-            p.start()
-        out = [c.recv() if c.poll(wait) else ("error", f"no answer in {wait:.0f} s") for c, _ in results]
-        for p in procs:
-            p.join(60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for d in ray_dirs:
-            shutil.rmtree(d, ignore_errors=True)
-    return out
+    return run_pair(_coordinator, lambda r, ray_dir, peer, out: (
+        r, keys_dir, ray_dir, workers, spec, data_path, method, t_delta, options, peer, out, kill_at), wait)
 
 
 def bench(cfg: SyntheticConfig, data_path: str, workers: int, offline: str, method: str, t_delta: int,

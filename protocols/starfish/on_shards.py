@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,7 @@ from protocols.threshold import flags_from_counts
 
 from . import shard_steps as steps
 from .pair_buffers import curvature_decide
-from .ports import CorrectionClients, History, RoundRecord, Secret
+from .ports import CorrectionClients, History, HistoryView, Secret
 from .update_estimation import HvpSums, hvp_solve
 
 __all__ = ["ShardSpace", "ShardVector", "ShardMatrix", "ShardHistory", "ShardClients", "PublicColumns"]
@@ -278,30 +278,14 @@ class ShardMatrix(_Held):
 
 
 # ------------------------------------------------------------------ the ports on shards
-class ShardHistory(History):
+class ShardHistory(HistoryView):
     """``base`` (this server's shares) with every update read onto the shards: put there at its
     first read and kept while Stage II references it (a round's rows while it is replayed)."""
 
     def __init__(self, base: History, space: ShardSpace) -> None:
-        self._base, self.space = base, space
+        super().__init__(base)
+        self.space = space
         self._read: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-    @property
-    def num_rounds(self) -> int:
-        return self._base.num_rounds
-
-    @property
-    def server_lr(self) -> float:
-        return self._base.server_lr
-
-    def model(self, i: int) -> torch.Tensor:
-        return self._base.model(i)
-
-    def participants(self, i: int) -> tuple[int, ...]:
-        return self._base.participants(i)
-
-    def weights(self, i: int) -> Mapping[int, float]:
-        return self._base.weights(i)
 
     def update(self, i: int, client: int) -> Secret:
         held = self._read.get((i, client))
@@ -309,15 +293,6 @@ class ShardHistory(History):
             held = self.space.put(self._base.update(i, client))
             self._read[(i, client)] = held
         return held
-
-    def norm(self, i: int, client: int) -> Secret:
-        return self._base.norm(i, client)
-
-    def delta(self, i: int, client: int) -> Secret:
-        return self._base.delta(i, client)
-
-    def append_round(self, record: RoundRecord) -> None:
-        raise TypeError("a history on shards is read-only; append to the store")
 
 
 class ShardClients:

@@ -34,7 +34,7 @@ import torch
 
 __all__ = ["Secret", "RoundRecord", "History", "CorrectionClients", "check_record",
            "remaining_clients", "present_clients", "candidate_rounds", "rounds_of",
-           "without_clients", "history_prefix"]
+           "without_clients", "history_prefix", "HistoryView"]
 
 #: A plain torch tensor (plaintext lab) or a secret-shared tensor (CrypTen MPCTensor).
 Secret = Any
@@ -187,12 +187,11 @@ def rounds_of(history: History, client: int) -> list[int]:
     return [i for i in range(1, history.num_rounds + 1) if client in history.participants(i)]
 
 
-class _WithoutClients(History):
-    """Read-only view of ``base`` with ``hidden`` clients erased (see :func:`without_clients`)."""
+class HistoryView(History):
+    """A read-only history that reads everything from ``base`` (subclasses change what they must)."""
 
-    def __init__(self, base: History, hidden: Iterable[int]) -> None:
+    def __init__(self, base: History) -> None:
         self._base = base
-        self._hidden = frozenset(int(j) for j in hidden)
 
     @property
     def num_rounds(self) -> int:
@@ -204,6 +203,32 @@ class _WithoutClients(History):
 
     def model(self, i: int) -> torch.Tensor:
         return self._base.model(i)
+
+    def participants(self, i: int) -> tuple[int, ...]:
+        return self._base.participants(i)
+
+    def weights(self, i: int) -> Mapping[int, float]:
+        return self._base.weights(i)
+
+    def update(self, i: int, client: int) -> Secret:
+        return self._base.update(i, client)
+
+    def norm(self, i: int, client: int) -> Secret:
+        return self._base.norm(i, client)
+
+    def delta(self, i: int, client: int) -> Secret:
+        return self._base.delta(i, client)
+
+    def append_round(self, record: RoundRecord) -> None:
+        raise TypeError(f"this history view ({type(self).__name__}) is read-only; append to the underlying history")
+
+
+class _WithoutClients(HistoryView):
+    """Read-only view of ``base`` with ``hidden`` clients erased (see :func:`without_clients`)."""
+
+    def __init__(self, base: History, hidden: Iterable[int]) -> None:
+        super().__init__(base)
+        self._hidden = frozenset(int(j) for j in hidden)
 
     def participants(self, i: int) -> tuple[int, ...]:
         return tuple(j for j in self._base.participants(i) if j not in self._hidden)
@@ -226,9 +251,6 @@ class _WithoutClients(History):
     def delta(self, i: int, client: int) -> Secret:
         self._visible(client)
         return self._base.delta(i, client)
-
-    def append_round(self, record: RoundRecord) -> None:
-        raise TypeError("a without_clients view is read-only; append to the underlying history")
 
 
 def without_clients(history: History, clients: Iterable[int]) -> History:

@@ -120,6 +120,26 @@ def _near(m: dict) -> str:
     return ""
 
 
+def plaintext_or_discard(case: dict):
+    """The case's clients, history, erased clients, targets, parameters and plaintext Stage II;
+    an example whose plaintext decisions lie within the fixed-point grid is discarded."""
+    note(f"case: {case}")
+    clients, hist = _build(case)
+    hidden = [case["erase"]] if case["erase"] is not None else []
+    view = without_clients(hist, hidden) if hidden else hist
+    targets = case["targets"]
+    params = StarfishParams(sigma=case["sigma"], beta=case["beta"], buffer=case["buffer"],
+                            method=case["method"])
+    pool = ClientPool(clients, remaining_clients(view, targets))
+    with _margins() as m:
+        plain = run_stage2(None, view, targets, params, PoolClients(pool))
+    near = _near(m)
+    if near:
+        event(f"discarded: a decision within the fixed-point grid ({near})")
+    assume(not near)
+    return clients, hist, hidden, targets, params, plain
+
+
 @settings(max_examples=EXAMPLES, phases=[Phase.explicit, Phase.generate])
 @example({"n": 4, "d": 4, "targets": [0], "seed": 3, "erase": None, "sigma": 0.7, "beta": 0.1,
           "buffer": 1, "method": "ratio",
@@ -139,20 +159,7 @@ def _near(m: dict) -> str:
                       [0, 1, 2], [0, 2], []]})
 @given(case=cases())
 def test_secure_stage2_on_partial_histories_equals_plaintext(pair, case):
-    note(f"case: {case}")
-    clients, hist = _build(case)
-    hidden = [case["erase"]] if case["erase"] is not None else []
-    view = without_clients(hist, hidden) if hidden else hist
-    targets = case["targets"]
-    params = StarfishParams(sigma=case["sigma"], beta=case["beta"], buffer=case["buffer"],
-                            method=case["method"])
-    pool = ClientPool(clients, remaining_clients(view, targets))
-    with _margins() as m:
-        plain = run_stage2(None, view, targets, params, PoolClients(pool))
-    near = _near(m)
-    if near:
-        event(f"discarded: a decision within the fixed-point grid ({near})")
-    assume(not near)
+    clients, hist, hidden, targets, params, plain = plaintext_or_discard(case)
     # the case is what it claims to be: rounds skipped by the replay exist
     assert len(plain.candidate_rounds) < hist.num_rounds
     v0, v1 = pair.call(pp.stage2_on_shares, hist.model(0).numpy(), hist.server_lr,

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from hypothesis import assume, event, given, note, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.prg import new_seed
-from lab.recovery.base import ClientPool, PoolClients
-from protocols.starfish import StarfishParams, run_stage2
-from protocols.starfish.ports import remaining_clients, without_clients
 
 from . import partial_programs as pp
-from .test_partial_participation_2pc import _build, _margins, _near, cases
+from .test_partial_participation_2pc import cases, plaintext_or_discard
 from .test_stage2_properties import MODEL_TOLERANCE
 
 torch.set_num_threads(1)
@@ -38,19 +35,7 @@ def sharded_cases(draw) -> dict:
 @settings(max_examples=max(1, settings.default.max_examples // 5))   # default 30 -> 6
 @given(case=sharded_cases())
 def test_stage2_on_shards_equals_plaintext(pair, case):
-    note(f"case: {case}")
-    clients, hist = _build(case)
-    hidden = [case["erase"]] if case["erase"] is not None else []
-    view = without_clients(hist, hidden) if hidden else hist
-    targets = case["targets"]
-    params = StarfishParams(sigma=case["sigma"], beta=case["beta"], buffer=case["buffer"], method=case["method"])
-    pool = ClientPool(clients, remaining_clients(view, targets))
-    with _margins() as m:
-        plain = run_stage2(None, view, targets, params, PoolClients(pool))
-    near = _near(m)
-    if near:
-        event(f"discarded: a decision within the fixed-point grid ({near})")
-    assume(not near)
+    clients, hist, hidden, targets, params, plain = plaintext_or_discard(case)
     v0, v1 = pair.call(pp.stage2_on_shares, hist.model(0).numpy(), hist.server_lr,
                        pp.split_rounds(hist, case["seed"]), targets, params, clients, new_seed(), hidden,
                        case["k"])
