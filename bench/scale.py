@@ -107,6 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cores", type=float, default=None,
                    help="cores per server for the predictions (default: one per worker)")
     common_options.add_out(p, "out/scale.json", beside="a PNG beside it")
+    common_options.add_quiet(p)
 
 
 def _plot(path: Path, model: dict, cores: float | None) -> Path:
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
               f"{g['cross_shard_seconds']:.0f} | {g['pair_gb']:.1f} | {g['coordinator_gb']:.2f} | {g['worker_peak_gib']:.2f} |"
               for g in grid if g["N"] in (20, 100)]
     text = "\n".join(lines)
-    print(text)
+    if not args.quiet:
+        print(text)
     path = Path(write_json(args.out, {"machine": machine_info(), "benchmark": "scale", "runs": runs, "model": model,
                                       "check": check, "grid": grid, "markdown": text}))
     png = _plot(path, model, args.cores)

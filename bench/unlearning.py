@@ -38,33 +38,21 @@ import hashlib
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
-from common.robust_rules import AGGREGATORS, brace_step_scale
+from common.robust_rules import AGGREGATORS
 from protocols.starfish import StarfishParams, run_stage2
-from protocols.starfish.robust_replay import RoundRule, RuleCombine
 from protocols.starfish.round_selection import choose_method, default_t_delta
 
 from . import common_options, offline, profiles, progress
 from . import steps as steps_bench
 from .report import machine_info, write_json
 from .unlearning_report import paper_row, render, target_rows
-from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, config, load_data
+from .synthetic import SyntheticConfig, config
+from .twin_check import TARGET_PLAINTEXT_DIFF, plaintext_check, replay_combine
 
 ONLINE_STEPS = ("TD", "RS", "UE", "TC", "pairs", "aggregate")
 CLIENT_STEPS = ("correction",)   # simulated clients computing exact updates: no 2PC traffic
-TARGET_PLAINTEXT_DIFF = 1e-3   # max |2PC - plaintext| over the model (issue 12)
-
-
-def replay_combine(aggregator: str, meter=None) -> RuleCombine | None:
-    """The replay's combine for a synthetic history made by ``aggregator`` in every round (None:
-    FedAvg): BRACE's step of FL round t, FedSECA's momentum restarting at round 1."""
-    if aggregator == "fedavg":
-        return None
-    if aggregator == "brace-sign":
-        return RuleCombine(lambda t: RoundRule("brace-sign", step=brace_step_scale(t)), meter=meter)
-    return RuleCombine(lambda t: RoundRule("fedseca", restart=t == 1), meter=meter)
 
 
 def _program(party, spec: dict, data_path: str, method: str, t_delta: int, cprofile_dir: str | None,
@@ -90,30 +78,6 @@ def _program(party, spec: dict, data_path: str, method: str, t_delta: int, cprof
     out["client_computations"] = clients.computations
     out["report"] = offline.party_report(p)
     return out
-
-
-def plaintext_check(cfg: SyntheticConfig, data_path: str, method: str, t_delta: int, party0: dict,
-                    quiet: bool = True, aggregator: str = "fedavg") -> dict:
-    """The plaintext twin (``run_stage2`` with ``party=None``) on the same synthetic history:
-    same selected rounds, same flags, and max |2PC - plaintext| over the model."""
-    hist = SyntheticHistory(cfg, load_data(data_path), None)
-    params = StarfishParams(sigma=cfg.sigma, beta=cfg.beta, buffer=cfg.buffer, method=method, t_delta=t_delta)
-    t0 = time.perf_counter()
-    with progress.progress(None, "plaintext twin", quiet=quiet, unit="round") as bar:
-        plain = run_stage2(None, hist, list(cfg.targets), params, SyntheticClients(hist),
-                           progress=progress.callback(bar), combine=replay_combine(aggregator))
-    gap = abs(plain.model.double().numpy() - party0["model"].astype("float64"))
-    diff = float(gap.max())
-    flags = {str(k): v for k, v in plain.flags.items()}
-    return {"selected_rounds_equal": plain.selected_rounds == party0["selected_rounds"],
-            "flags_equal": flags == party0["flags"], "max_abs_diff": diff,
-            "target": TARGET_PLAINTEXT_DIFF, "met": diff <= TARGET_PLAINTEXT_DIFF,
-            # a robust replay's opened votes / bits may differ where an estimate is within its
-            # fixed-point error of 0 (protocols/starfish/robust_replay.py): the share of such coordinates
-            "differing_fraction": float((gap > TARGET_PLAINTEXT_DIFF).mean()),
-            # SecTC compares in a 32-bit ring: |g_hat| must stay below 2**14 (docs/protocols.md)
-            "largest_estimate": plain.largest_estimate, "sectc_domain": float(2**14),
-            "plaintext_seconds": time.perf_counter() - t0}
 
 
 def _method(profile: profiles.NetworkProfile, requested: str, T: int) -> tuple[str, int, str]:

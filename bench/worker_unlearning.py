@@ -31,6 +31,7 @@ import torch
 
 from . import progress
 from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, load_data
+from .twin_check import plaintext_check
 from .worker_round import run_pair
 
 __all__ = ["run_job", "bench"]
@@ -168,7 +169,6 @@ def bench(cfg: SyntheticConfig, data_path: str, workers: int, offline: str, meth
     from mpc.dealer import DealerServer
     from net import tls
 
-    from .unlearning import plaintext_check
 
     keys = tempfile.mkdtemp(prefix="sfkeys-")
     dealer = None

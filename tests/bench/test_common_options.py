@@ -33,6 +33,8 @@ NETEM = {"steps", "unlearning", "range-check"}
 #: benches that compare offline modes take a list; its default
 SEVERAL = {"runtime": "dealer", "primitives": "dealer", "public-division": "dealer,two-party"}
 PLAINTEXT = {"training"}
+#: benches that run nothing (a model fitted to other benches' JSON): no seed, no progress bar
+ANALYSIS = {"scale"}
 
 
 def _options(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -40,10 +42,17 @@ def _options(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 
 def test_every_bench_is_classified():
-    assert set(PARSERS) == LINKED | PLAINTEXT | {"rs-switch", "truncation", "scaling"}
+    assert set(PARSERS) == LINKED | PLAINTEXT | ANALYSIS | {"rs-switch", "truncation", "scaling"}
 
 
-@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_an_analysis_bench_writes_json_and_takes_no_run_options():
+    for name in ANALYSIS:
+        opts = _options(PARSERS[name])
+        assert opts["--out"].help.startswith("JSON output (default ")
+        assert not {"--seed", "--profile", "--offline"} & set(opts)
+
+
+@pytest.mark.parametrize("name", sorted(set(PARSERS) - ANALYSIS))
 def test_common_options_have_one_name_default_and_help(name):
     opts = _options(PARSERS[name])
     assert opts["--quiet"].help == common_options.QUIET_HELP and opts["--quiet"].default is False

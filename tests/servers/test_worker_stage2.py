@@ -16,7 +16,8 @@ import pytest
 
 from bench.profiles import resolve
 from bench.synthetic import config, prepare
-from bench.unlearning import _method, plaintext_check
+from bench.twin_check import plaintext_check
+from bench.unlearning import _method
 from bench.worker_unlearning import run_job
 from mpc.dealer import DealerServer
 from net import tls
