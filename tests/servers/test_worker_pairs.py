@@ -11,6 +11,9 @@ import glob
 import hashlib
 import os
 import re
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 
@@ -147,31 +150,78 @@ def test_two_workers_per_server_check_and_aggregate_each_shard_exactly(tmp_path,
     assert len(set(pids)) == 2 * workers
 
 
-def test_a_worker_of_another_pair_is_refused(tmp_path):
-    updates = np.ones((1, 10))
-    _, out = _run(tmp_path, 2, [1], updates, [4.0], [1.0], swap_peers=True)
-    assert all(o[0] == "error" for o in out), out
-    # server 0's worker k reached server 1's worker k+1 and refused its certificate (not its own
-    # pair's name); server 1's workers saw no connection of their own pair (the TLS handshake pins
-    # the pair's name)
-    # (the group answers at its first failing worker: one or both are named)
-    first0, first1 = out[0][1].splitlines()[0], out[1][1].splitlines()[0]
-    assert re.search(r"server0-w(\d): WorkerError: HandshakeError: online channel to server1-w\1: .*Hostname mismatch, "
-                     r"certificate is not valid for 'server1-w\1'", first0), first0
-    assert re.search(r"server1-w(\d): WorkerError: PeerTimeout: no server0-w\1 with this session's ticket", first1), first1
+def _meet(keys, server0_worker: int, server1_worker: int) -> dict[int, str]:
+    """Server 0's worker ``server0_worker`` dials server 1's worker ``server1_worker`` (the link
+    each worker opens for its pair's session, ``mpc.session.open_party(..., worker=k)``); each
+    side's outcome, "ok" or its error as one line."""
+    from mpc.session import open_party
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    outcome: dict[int, str] = {}
+
+    def side(rank: int, **where) -> None:
+        try:
+            open_party(rank, keys, timeout=3.0, offline="two-party", ticket=b"pair-test", **where).close()
+            outcome[rank] = "ok"
+        except Exception as exc:  # noqa: BLE001 - the outcome is the test's subject
+            outcome[rank] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+    sides = [threading.Thread(target=side, args=(1,), kwargs=dict(peer_listener=listener, worker=server1_worker)),
+             threading.Thread(target=side, args=(0,), kwargs=dict(peer_address=listener.getsockname()[:2],
+                                                                  worker=server0_worker))]
+    try:
+        for t in sides:
+            t.start()
+        for t in sides:
+            t.join(30)
+    finally:
+        listener.close()
+    return outcome
 
 
-def test_a_worker_without_its_certificate_fails_in_one_line_naming_the_file(tmp_path):
-    pytest.importorskip("ray")
-    from bench.worker_round import run_round
+@pytest.mark.parametrize("w0, w1", [(0, 1), (1, 0), (3, 2)])
+def test_a_worker_of_another_pair_is_refused(tmp_path, w0, w1):
+    """Worker w0 of server 0 reaches worker w1 of server 1 (w0 != w1) with a valid certificate
+    of the deployment: server 0's worker refuses the certificate (not its own pair's name) and
+    server 1's worker sees no connection of its own pair (the TLS handshake pins the pair)."""
+    keys = tmp_path / "keys"
+    tls.init_keys(keys, workers=4)
+    out = _meet(keys, w0, w1)
+    assert re.search(rf"HandshakeError: online channel to server1-w{w0}: .*Hostname mismatch, "
+                     rf"certificate is not valid for 'server1-w{w0}'", out[0]), out
+    assert f"PeerTimeout: no server0-w{w1} with this session's ticket" in out[1], out
+
+
+def test_a_worker_without_its_certificate_fails_at_start_in_one_line_naming_the_file(tmp_path):
+    """A worker (the actor's body, outside Ray: the same code) whose certificate was never
+    issued fails as it starts, naming the file and the command that issues it."""
+    from servers.workers.shard_worker import ShardWorker, WorkerError
 
     keys = tmp_path / "keys"
     tls.init_keys(keys)              # the servers' certificates, no worker's
-    z = np.zeros(1, np.int64)
-    out = run_round(str(keys), 1, np.zeros((1, 8), np.int64), [1], z, z, offline="two-party", wait=120)
-    for rank, (status, text) in enumerate(out):
-        first = text.splitlines()[0]
-        assert status == "error"
-        assert f"server{rank}-w0 is gone: MissingCredential: missing credential {keys}/server{rank}-w0.pem" in first
-        assert f"starfish keys issue --ca-dir CA --keys-dir {keys} --name server{rank}-w0" in first
+    for rank in (0, 1):
+        with pytest.raises(WorkerError) as err:
+            ShardWorker(rank, 0, str(keys), offline="two-party")
+        line = str(err.value)
+        assert "\n" not in line
+        assert f"MissingCredential: missing credential {keys}/server{rank}-w0.pem" in line, line
+        assert f"starfish keys issue --ca-dir CA --keys-dir {keys} --name server{rank}-w0" in line, line
 
+
+def test_a_server_with_workers_and_no_worker_certificates_refuses_to_start_in_one_line(tmp_path):
+    """``[deployment] workers = 2`` without the workers' certificates: the daemon stops at start
+    (before any Ray cluster), in one line naming the config, the key directory and the command."""
+    from common.service_config import load_config, write_scratch_deployment
+
+    write_scratch_deployment(tmp_path, clients=1, offline="two-party", workers=2)
+    cfg = load_config(tmp_path / "config.toml")
+    for k in (0, 1):
+        os.remove(cfg.keys_dir / f"server0-w{k}.pem")
+    proc = subprocess.run([sys.executable, "-m", "starfish.cli", "server", "--party", "0",
+                           "--config", str(tmp_path / "config.toml")], capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "[deployment] workers = 2" in lines[0] and str(tmp_path / "config.toml") in lines[0], lines
+    assert "no certificate for server0-w0, server0-w1" in lines[0], lines
+    assert "starfish keys issue --name server0-w0" in lines[0] and "set workers = 1" in lines[0], lines

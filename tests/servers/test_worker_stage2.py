@@ -4,12 +4,14 @@
 estimate on 2 coordinate shards per server, the pairs on their own TLS links and dealer streams.
 Server 0's worker 1 is SIGKILLed just before the job's 6th program on the shards (its pair's
 session open, its shares held). Oracles: both servers' first run fails within seconds of the
-kill, naming the worker; the next run (new workers) completes, both servers' models are equal,
-and they equal the plaintext twin's rounds, flags and model (within 1e-3).
+kill, server 0 naming its dead worker and server 1 a worker of its own that lost its peer; the
+next run (new workers) completes, both servers' models are equal, and they equal the plaintext
+twin's rounds, flags and model (within 1e-3).
 """
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -50,7 +52,9 @@ def test_the_run_with_a_killed_worker_fails_fast_on_both_servers(killed_run):
     assert len(v0["failed_runs"]) == len(v1["failed_runs"]) == 1
     first0, first1 = v0["failed_runs"][0], v1["failed_runs"][0]
     assert "server0-w1 is gone" in first0["error"], first0
-    assert "server1-w1" in first1["error"], first1
+    # server 1 names the first of its workers to lose its peer: the killed one's, or the other,
+    # whose peer server 0 ends as it gives the run up (which comes first is a race)
+    assert re.search(r"server1-w\d: WorkerError: (PeerDisconnected|PeerTimeout|ChannelError)", first1["error"]), first1
     killed = first0["killed_at"]
     assert killed is not None
     assert first0["failed_at"] - killed < 10 and first1["failed_at"] - killed < 30
