@@ -20,6 +20,7 @@ import socket
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -85,22 +86,37 @@ def coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np
     the failed attempt (its one-line error and the seconds from the check's start to the failure) and tries once
     more with new workers, as a round's close is retried."""
     groups: list[WorkerGroup] = []
+    marks: dict = {}
+
+    def attempt(n: int) -> dict:
+        marks.clear()
+        return _attempt(rank, keys_dir, ray_dir, workers, shares, counts, norms, deltas, options, swap_peers,
+                        peer, n, kill_worker and n == 1 and rank == 0, groups, marks)
+
+    def failure(exc: BaseException) -> dict:
+        return {"check_failed_after_s": time.perf_counter() - marks["check"] if "check" in marks else None}
+
+    answer_with_retries(out, 2 if kill_worker else 1, attempt, failure, groups, "failed_attempts")
+
+
+def answer_with_retries(out, attempts: int, attempt: Callable[[int], dict],
+                        failure: Callable[[BaseException], dict], groups: list, key: str) -> None:
+    """A coordinator's answer: ``attempt(n)`` for n = 1, 2, ... until one returns its report or
+    ``attempts`` have failed, as the daemon retries a round's close or a job's run on new workers
+    (each failed attempt's last group is stopped first). Sends ("ok", report with the failed
+    attempts under ``key``: each one's one-line error and ``failure(exc)``) or ("error", text)
+    through ``out``; the last group is shut down in the end."""
     failed: list[dict] = []
     try:
-        for attempt in range(1, 3 if kill_worker else 2):
-            marks: dict = {}
+        for n in range(1, attempts + 1):
             try:
-                report = _attempt(rank, keys_dir, ray_dir, workers, shares, counts, norms, deltas, options,
-                                  swap_peers, peer, attempt, kill_worker and attempt == 1 and rank == 0, groups,
-                                  marks)
+                report = attempt(n)
             except Exception as exc:  # noqa: BLE001 - the attempt failed: reported, then retried
-                failed.append({"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:1000],
-                               "check_failed_after_s": time.perf_counter() - marks["check"]
-                               if "check" in marks else None})
+                failed.append({"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:1000], **failure(exc)})
                 if groups:
                     groups[-1].stop_workers()
                 continue
-            out.send(("ok", dict(report, failed_attempts=failed)))
+            out.send(("ok", dict(report, **{key: failed})))
             return
         raise RuntimeError(failed[-1]["error"] if failed else "no attempt ran")
     except BaseException as exc:  # noqa: BLE001 - reported to the caller

@@ -23,7 +23,6 @@ import socket
 import tempfile
 import threading
 import time
-import traceback
 from typing import Any
 
 import numpy as np
@@ -32,7 +31,7 @@ import torch
 from . import progress
 from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, load_data
 from .twin_check import plaintext_check
-from .worker_round import run_pair
+from .worker_round import answer_with_retries, run_pair
 
 __all__ = ["run_job", "bench"]
 
@@ -128,28 +127,17 @@ def _coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, spec: dic
     ("error", text) through ``out``. ``kill_at`` (a fault test): server 0 kills its last worker
     before the job's program number ``kill_at``; each server reports the failed run (its one
     line, and when it failed) and runs the job again on new workers, as the daemon does."""
+    torch.set_num_threads(1)
     held: list = []
-    failed: list[dict] = []
-    try:
-        torch.set_num_threads(1)
-        cfg = SyntheticConfig.from_json(spec)
-        for attempt in range(1, 3 if kill_at else 2):
-            try:
-                report = _attempt(rank, keys_dir, ray_dir, workers, cfg, data_path, method, t_delta, options, peer,
-                                  attempt, kill_at if attempt == 1 and rank == 0 else None, held)
-            except Exception as exc:  # noqa: BLE001 - the run failed: reported, then run again
-                failed.append({"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:1000],
-                               "failed_at": time.time(), "killed_at": getattr(exc, "killed_at", None)})
-                held[-1].stop_workers()
-                continue
-            out.send(("ok", dict(report, failed_runs=failed)))
-            return
-        raise RuntimeError(failed[-1]["error"] if failed else "no run")
-    except BaseException as exc:  # noqa: BLE001 - reported to the caller
-        out.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"))
-    finally:
-        if held:
-            held[-1].shutdown()
+
+    def attempt(n: int) -> dict:
+        return _attempt(rank, keys_dir, ray_dir, workers, SyntheticConfig.from_json(spec), data_path, method, t_delta, options, peer, n,
+                        kill_at if n == 1 and rank == 0 else None, held)
+
+    def failure(exc: BaseException) -> dict:
+        return {"failed_at": time.time(), "killed_at": getattr(exc, "killed_at", None)}
+
+    answer_with_retries(out, 2 if kill_at else 1, attempt, failure, held, "failed_runs")
 
 
 def run_job(keys_dir: str, workers: int, spec: dict, data_path: str, method: str, t_delta: int, *,

@@ -71,6 +71,14 @@ def pair():
         yield p
 
 
+@pytest.fixture(scope="module", params=["dealer", "two-party"])
+def pair_in_each_mode(request):
+    """As ``pair``, once per offline mode (the dealer's correlations, then the two-party engine's):
+    a module's tests run over both modes with one session each."""
+    with PartyPair(offline=request.param, timeout=120.0) as p:
+        yield p
+
+
 def pytest_collection_modifyitems(session, config, items):
     """Heaviest files first (stable: the tests of a file keep their order)."""
     rank = {path: i for i, path in enumerate(sorted(_FILE_SECONDS, key=lambda p: -_FILE_SECONDS[p]))}

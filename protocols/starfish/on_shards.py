@@ -52,9 +52,11 @@ __all__ = ["ShardSpace", "ShardVector", "ShardMatrix", "ShardHistory", "ShardCli
 class ShardSpace:
     """This coordinator's workers for one job, and the names of the values they keep for it."""
 
-    def __init__(self, executor: ShardExecutor, dim: int) -> None:
+    def __init__(self, executor: ShardExecutor, dim: int, block: int = steps.BLOCK) -> None:
+        """``block``: values per 2PC batch at a worker (``shard_steps.BLOCK``; its memory follows it)."""
         self.ex = executor
         self.dim = dim
+        self.block = block
         self.bounds = list(executor.bounds)
         if self.bounds[-1][1] != dim:
             raise ValueError(f"shards {self.bounds} do not cover {dim} coordinates")
@@ -246,19 +248,20 @@ class ShardMatrix(_Held):
         if not isinstance(S, PublicColumns):
             S = PublicColumns(sp, [[S[r, :, c] for c in range(S.shape[-1])] for r in range(S.shape[0])])
         s_refs, v_ref = S.names(), sp.public(model_diff)
-        parts = sp.run(steps.hvp_sums_program, Y.refs, Y.bits, s_refs, v_ref)
+        parts = sp.run(steps.hvp_sums_program, Y.refs, Y.bits, s_refs, v_ref, sp.block)
         sums = HvpSums(sum(p[0] for p in parts), sum(p[1] for p in parts),
                        sp.gather([p[2] for p in parts]), sp.gather([p[3] for p in parts]))
         c = hvp_solve(sums, inverse)
         coef = [steps.share_of(x) for x in (c.sigma, c.sigma_z1, c.z2)]
         out = sp.name("e")
-        bits = sp.run(steps.hvp_apply_program, out, Y.refs, Y.bits, self.refs, self.bits, coef, s_refs, v_ref)[0]
+        bits = sp.run(steps.hvp_apply_program, out, Y.refs, Y.bits, self.refs, self.bits, coef, s_refs, v_ref,
+                      sp.block)[0]
         return ShardMatrix(sp, [(out, r) for r in range(len(self))], bits)
 
     def exceeds(self, thresholds: Any) -> torch.Tensor:
         """SecTC on the shards: one public flag per row (``threshold_check``)."""
         d = B.rescale(B.to_shared_like(thresholds))
-        counts = self.space.run(steps.counts_program, self.refs, self.bits, steps.share_of(d))
+        counts = self.space.run(steps.counts_program, self.refs, self.bits, steps.share_of(d), self.space.block)
         total = self.space.gather([(c, 0) for c in counts])
         return flags_from_counts(total).reshape(-1).to(torch.int64)
 

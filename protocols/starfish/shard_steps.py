@@ -25,7 +25,8 @@ from .pair_buffers import curvature_sums
 from .update_estimation import HvpCoefficients, hvp_apply, hvp_sums
 
 __all__ = ["Ref", "share_of", "wrap", "sub_program", "weighted_program", "rescale_program", "open_program",
-           "hvp_sums_program", "hvp_apply_program", "counts_program", "inner_program", "curvature_program"]
+           "hvp_sums_program", "hvp_apply_program", "counts_program", "inner_program", "curvature_program",
+           "BLOCK", "row_chunks"]
 
 #: (name, row): the named share at a worker, or its row ``row``
 Ref = tuple[str, "int | None"]
@@ -93,36 +94,78 @@ def open_program(party, worker, ref: Ref, bits: int) -> np.ndarray:
         return B.reveal(wrap(_array(worker, ref), bits)).numpy()
 
 
-def hvp_sums_program(party, worker, y_refs: list, y_bits: int, s_names: list[list[str]], v_name: str) -> tuple:
+#: values per 2PC batch at a worker: UE's products and SecTC's rescale and comparisons run over
+#: as many client rows at a time as fit (at least one row), so a worker's peak memory follows the
+#: batch, not its shard times the number of clients (measured on the MNIST shapes before this:
+#: about 3.5 KB per shard coordinate, 20 clients, B = 2)
+BLOCK = 1 << 21
+
+
+def row_chunks(rows: int, per_row: int, block: int) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges of at most ``block`` values (``per_row`` values a row; one row at least)."""
+    step = max(1, block // max(1, per_row))
+    return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
+
+
+def _rows(refs: Any) -> int:
+    return len(refs) if isinstance(refs, list) else 0
+
+
+def _concat(parts: list[tuple[np.ndarray, int]]) -> tuple[np.ndarray, int]:
+    return np.concatenate([p[0] for p in parts]), parts[0][1]
+
+
+def hvp_sums_program(party, worker, y_refs: list, y_bits: int, s_names: list[list[str]], v_name: str,
+                     block: int = BLOCK) -> tuple:
     """UE's sums over this shard (``update_estimation.hvp_sums``): public S^T S, S^T v; shares
-    of S^T Y and Y^T v."""
+    of S^T Y and Y^T v (``block``: values per batch of client rows)."""
+    v = _public(worker, v_name)
+    parts = []
     with party.meter("UE"):
-        sums = hvp_sums(_public_columns(worker, s_names), wrap(_stacked(worker, y_refs), y_bits), _public(worker, v_name))
-    return sums.sts, sums.stv, share_of(sums.sty), share_of(sums.ytv)
+        for lo, hi in row_chunks(len(y_refs), v.numel() * len(s_names[0]), block):
+            sums = hvp_sums(_public_columns(worker, s_names[lo:hi]), wrap(_stacked(worker, y_refs[lo:hi]), y_bits), v)
+            parts.append((sums.sts, sums.stv, share_of(sums.sty), share_of(sums.ytv)))
+    return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+            _concat([p[2] for p in parts]), _concat([p[3] for p in parts]))
 
 
 def hvp_apply_program(party, worker, out: str, y_refs: list, y_bits: int, stored: list, stored_bits: int,
-                      coef: Sequence[tuple[np.ndarray, int]], s_names: list[list[str]], v_name: str) -> int:
-    """g_hat = g + H v on this shard from the coordinators' coefficients; kept as ``out``."""
+                      coef: Sequence[tuple[np.ndarray, int]], s_names: list[list[str]], v_name: str,
+                      block: int = BLOCK) -> int:
+    """g_hat = g + H v on this shard from the coordinators' coefficients; kept as ``out``
+    (``block``: values per batch of client rows)."""
+    v = _public(worker, v_name)
+    est, bits = None, None
     with party.meter("UE"):
-        hv = hvp_apply(_public_columns(worker, s_names), wrap(_stacked(worker, y_refs), y_bits), _public(worker, v_name),
-                       HvpCoefficients(*(wrap(a, b) for a, b in coef)))
-        est = hv + B.lift(wrap(_stacked(worker, stored), stored_bits), B.bits_of(hv))
-    worker.put(out, est.share.numpy())
-    return B.bits_of(est)
-
-
-#: values per comparison batch of SecTC at a worker (its memory follows the batch)
-TC_BLOCK = 1 << 21
+        for lo, hi in row_chunks(len(y_refs), v.numel() * len(s_names[0]), block):
+            hv = hvp_apply(_public_columns(worker, s_names[lo:hi]), wrap(_stacked(worker, y_refs[lo:hi]), y_bits), v,
+                           HvpCoefficients(*(wrap(a[lo:hi], b) for a, b in coef)))
+            part = hv + B.lift(wrap(_stacked(worker, stored[lo:hi]), stored_bits), B.bits_of(hv))
+            if est is None:
+                est = np.empty((len(y_refs), v.numel()), dtype=np.int64)
+            est[lo:hi] = part.share.numpy()
+            bits = B.bits_of(part)
+    worker.put(out, est)
+    return bits
 
 
 def counts_program(party, worker, refs: list, bits: int, thresholds: tuple[np.ndarray, int],
-                   block: int = TC_BLOCK) -> np.ndarray:
+                   block: int = BLOCK) -> np.ndarray:
     """SecTC's per-row count of coordinates at or above the threshold on this shard (a share),
-    compared ``block`` values at a time."""
+    rescaled and compared ``block`` values at a time."""
+    d, d_bits = thresholds
+    rows = _rows(refs)
+    if not rows:
+        with party.meter("TC"):
+            x = B.rescale(wrap(_stacked(worker, refs), bits))
+            return exceed_counts_blocked(x, wrap(d, d_bits), block).share.numpy().copy()
+    counts = []
     with party.meter("TC"):
-        x = B.rescale(wrap(_stacked(worker, refs), bits))
-        return exceed_counts_blocked(x, wrap(*thresholds), block).share.numpy().copy()
+        for lo, hi in row_chunks(rows, _array(worker, refs[0]).shape[-1], block):
+            x = B.rescale(wrap(_stacked(worker, refs[lo:hi]), bits))
+            dk = d[lo:hi] if d.ndim and d.shape[0] == rows else d     # one threshold per row, or one for all
+            counts.append(exceed_counts_blocked(x, wrap(dk, d_bits), block).share.numpy().copy())
+    return np.concatenate(counts)
 
 
 def inner_program(party, worker, refs: list, bits: int, other: Any, e: int | None) -> tuple[np.ndarray, int]:

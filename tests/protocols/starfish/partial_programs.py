@@ -155,10 +155,11 @@ class MemoryShareHistory(History):
 
 def stage2_on_shares(party, m0: np.ndarray, server_lr: float, rounds: list[dict], targets: list[int],
                      params, clients: list[ToyClient], key: bytes, hidden: Sequence[int] = (),
-                     shards: int = 0) -> dict:
+                     shards: int = 0, block: int | None = None) -> dict:
     """``run_stage2`` on this party's shares (``hidden``: erased clients, ``without_clients``);
     ``shards`` = K > 0: on K coordinate slices (``tests.helpers.shard_slices``), the values on
-    them as a server's workers would hold them (``protocols.starfish.on_shards``)."""
+    them as a server's workers would hold them (``protocols.starfish.on_shards``), computed
+    ``block`` values at a time (default ``shard_steps.BLOCK``)."""
     from bench.secure_lab import SimulatedShareClients
     from protocols.starfish import run_stage2
     from protocols.starfish.on_shards import ShardClients, ShardHistory, ShardSpace
@@ -173,7 +174,7 @@ def stage2_on_shares(party, m0: np.ndarray, server_lr: float, rounds: list[dict]
     held = None
     if shards:
         slices = SliceShards(party, len(m0), shards)
-        space = ShardSpace(slices, len(m0))
+        space = ShardSpace(slices, len(m0)) if block is None else ShardSpace(slices, len(m0), block)
         hist, clients_port = ShardHistory(hist, space), ShardClients(clients_port, space)
     res = run_stage2(party, hist, targets, params, clients_port)
     if shards:

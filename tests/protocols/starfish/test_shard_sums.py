@@ -4,7 +4,8 @@ UE's H v in three phases (``hvp_sums`` per shard, added; ``hvp_solve`` once; ``h
 shard), SecTC's per-row OR from per-shard counts (``exceed_counts`` per shard, added;
 ``flags_from_counts``), and the curvature test from per-shard sums (``curvature_sums`` per shard,
 added; ``curvature_decide``). The K slices of one 2PC session stand for the K worker pairs: each
-slice's shares are added as the coordinators add their workers' shares.
+slice's shares are added as the coordinators add their workers' shares. Each property runs in
+both offline modes (the dealer's correlations and the two-party engine's: ``pair_in_each_mode``).
 
 Oracles: the dense BFGS matrix in float64 (and the unsharded 2PC estimate), the comparison of the
 fixed-point encodings in Python integers, and the plaintext curvature rule on pairs drawn with a
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from mpc.crypten_compat import crypten
 from protocols.backend import bits_of, cat, lift, reveal, to_shared_like
 from protocols.starfish.pair_buffers import curvature_decide, curvature_ok, curvature_sums
+from protocols.starfish.shard_steps import row_chunks
 from protocols.starfish.update_estimation import estimate_updates, hvp_apply, hvp_solve, hvp_sums
 from protocols.threshold import exceed_counts, exceed_counts_blocked, flags_from_counts
 from servers.workers.shards import shard_bounds
@@ -106,7 +108,7 @@ def cases(draw):
 
 @settings(max_examples=max(1, settings.default.max_examples // 2))   # default 30 -> 15 2PC runs
 @given(case=cases())
-def test_shard_sums_equal_the_whole_in_2pc_and_plaintext(pair, case):
+def test_shard_sums_equal_the_whole_in_2pc_and_plaintext(pair_in_each_mode, case):
     S, Y, v, stored, bounds = case["S"], case["Y"], case["v"], case["stored"], case["bounds"]
     dense = torch.stack([stored[j] + dense_bfgs(S[j], Y[j]) @ v for j in range(S.shape[0])]).numpy()
     plain = _sharded_estimate(stored, v, S, Y, bounds).numpy()
@@ -115,7 +117,7 @@ def test_shard_sums_equal_the_whole_in_2pc_and_plaintext(pair, case):
     assert _sharded_flags(case["x"], case["d"], bounds, case["block"]).tolist() == want_flags
     want_curv = curvature_ok(case["s"], case["ys"])
     assert _sharded_curvature(case["s"], case["ys"], bounds) == want_curv
-    out0, out1 = pair.call(shards_program, case)
+    out0, out1 = pair_in_each_mode.call(shards_program, case)
     # fixed point through the 2B x 2B inverse: measured up to 5.5e-3 of the largest value; a wrong
     # sum or phase is off by the size of the values themselves
     tol = 2e-2 * (1.0 + float(np.abs(dense).max()))
@@ -124,3 +126,15 @@ def test_shard_sums_equal_the_whole_in_2pc_and_plaintext(pair, case):
         assert np.abs(out["sharded"] - dense).max() < tol
         assert out["flags"].tolist() == want_flags
         assert out["accepted"] == want_curv
+
+
+@given(rows=st.integers(0, 200), per_row=st.integers(0, 10**7), block=st.integers(1, 1 << 22))
+def test_row_chunks_cover_every_row_once_within_the_block(rows, per_row, block):
+    chunks = row_chunks(rows, per_row, block)
+    assert [r for lo, hi in chunks for r in range(lo, hi)] == list(range(rows))
+    for lo, hi in chunks:
+        assert hi > lo
+        # at most `block` values a chunk, except a single row larger than the block
+        assert (hi - lo) * per_row <= block or hi - lo == 1
+    # as few chunks as the block allows
+    assert len(chunks) == (0 if rows == 0 else -(-rows // max(1, block // max(1, per_row))))

@@ -6,7 +6,8 @@ round, a round of targets only, an erased client), run by ``run_stage2`` unchang
 (``tests.helpers.shard_slices``: K worker pairs in one session), only sums of shares and the
 small solves at the "coordinators". Oracle: the plaintext twin (same rounds, flags, exact
 requests and warm-up; model within ``MODEL_TOLERANCE``), and nothing left on any slice after
-the job releases its values.
+the job releases its values. Each worker's UE and SecTC run over all client rows at once, or a
+few at a time (``shard_steps.BLOCK``, drawn small). In both offline modes (``pair_in_each_mode``).
 """
 
 from __future__ import annotations
@@ -29,16 +30,18 @@ torch.set_num_threads(1)
 def sharded_cases(draw) -> dict:
     case = draw(cases())
     case["k"] = draw(st.integers(1, min(case["d"], 4)))
+    # values per 2PC batch at a worker: one or a few client rows at a time, or all of them
+    case["block"] = draw(st.sampled_from([None, case["d"], 3 * case["d"]]))
     return case
 
 
 @settings(max_examples=max(1, settings.default.max_examples // 5))   # default 30 -> 6
 @given(case=sharded_cases())
-def test_stage2_on_shards_equals_plaintext(pair, case):
+def test_stage2_on_shards_equals_plaintext(pair_in_each_mode, case):
     clients, hist, hidden, targets, params, plain = plaintext_or_discard(case)
-    v0, v1 = pair.call(pp.stage2_on_shares, hist.model(0).numpy(), hist.server_lr,
+    v0, v1 = pair_in_each_mode.call(pp.stage2_on_shares, hist.model(0).numpy(), hist.server_lr,
                        pp.split_rounds(hist, case["seed"]), targets, params, clients, new_seed(), hidden,
-                       case["k"])
+                       case["k"], case["block"])
     assert np.array_equal(v0["model"], v1["model"])
     assert v0["selected_rounds"] == v1["selected_rounds"] == plain.selected_rounds
     assert v0["flags"] == plain.flags
