@@ -177,8 +177,9 @@ def estimate(from_json: str, profile: profiles.NetworkProfile,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     common_options.add_profile(p, netem=True)
     common_options.add_offline(p)
-    p.add_argument("--config", default="mnist", choices=["mnist", "small", "tiny"],
-                   help="synthetic history shapes (default mnist: 582,026 parameters, 20 clients, 40 rounds)")
+    p.add_argument("--config", default="mnist", choices=["mnist", "small", "tiny", "5m"],
+                   help="synthetic history shapes (default mnist: 582,026 parameters, 20 clients, 40 rounds; "
+                        "5m: 5,000,000 parameters, 20 clients, 20 rounds, for --workers)")
     p.add_argument("--clients", type=int, default=None,
                    help="override the number of clients (a smaller run to validate a slow profile)")
     p.add_argument("--rs-method", default="auto", choices=["auto", "ratio", "divide"],
@@ -227,10 +228,10 @@ def _on_workers(args: argparse.Namespace, cfg: SyntheticConfig) -> int:
     rows = []
     for r, srv in enumerate(res["servers"]):
         c = srv["coordinator"]
-        rows.append(f"| {r} | coordinator | {c['peak_rss_mib']:.0f} | {c['online'] * gib:.3f} | {c['offline'] * gib:.3f} "
-                    f"| {c['rounds']} |")
-        rows += [f"| {r} | worker {k} | {w['peak_rss_mib']:.0f} | {w['online'] * gib:.3f} | {w['offline'] * gib:.3f} "
-                 f"| {w['rounds']} |" for k, w in enumerate(srv["workers"])]
+        rows.append(f"| {r} | coordinator | {c['peak_rss_mib']:.0f} | - | {c['online'] * gib:.3f} "
+                    f"| {c['offline'] * gib:.3f} | {c['rounds']} |")
+        rows += [f"| {r} | worker {k} | {w['peak_rss_mib']:.0f} | {w.get('peak_held_mib', 0):.0f} | {w['online'] * gib:.3f} "
+                 f"| {w['offline'] * gib:.3f} | {w['rounds']} |" for k, w in enumerate(srv["workers"])]
     text = "\n".join([
         f"## starfish bench unlearning --workers {args.workers}: config {cfg.name}: {cfg.clients} clients x "
         f"{cfg.num_params:,} parameters, {cfg.rounds} rounds, --offline {args.offline}, loopback; every m-long "
@@ -244,8 +245,8 @@ def _on_workers(args: argparse.Namespace, cfg: SyntheticConfig) -> int:
         f"{'yes' if twin['flags_equal'] else 'NO'}; max |2PC - plaintext| {twin['max_abs_diff']:.2e} "
         f"(target <= {TARGET_PLAINTEXT_DIFF:g}: {'met' if twin['met'] else 'NOT met'})",
         "",
-        "| server | process | peak RSS MiB | online GB | offline GB | online rounds |",
-        "|---|---|---|---|---|---|", *rows])
+        "| server | process | peak RSS MiB | peak shares held MiB | online GB | offline GB | online rounds |",
+        "|---|---|---|---|---|---|---|", *rows])
     print(text)
     out = args.out or f"out/unlearning-{cfg.name}-workers{args.workers}-{args.offline}.json"
     path = write_json(out, {"machine": machine_info(), "benchmark": "unlearning --workers", "config": cfg.to_json(),

@@ -110,7 +110,8 @@ def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, cfg: Syntheti
         report.update(model=res.model.numpy(), start_s=started, job_s=job,
                       coordinator={"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                                    **_traffic(party.meters()), "steps": party.meters()["steps"]},
-                      workers=[{"peak_rss_mib": st.get("peak_rss_mib"), **_traffic(m)}
+                      workers=[{"peak_rss_mib": st.get("peak_rss_mib"), "peak_held_mib": st.get("peak_bytes", 0) / 2**20,
+                                **_traffic(m)}
                                for st, m in zip(group.state(), group.meters())])
         group.close()
         return report

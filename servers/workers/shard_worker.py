@@ -88,6 +88,7 @@ class ShardWorker:
         if rank == 1:
             self._listener = socket.create_server((listen_host, listen_port))
         self._shares: dict[str, np.ndarray] = {}
+        self._held = self._peak_held = 0        # bytes of shares kept, now and at most
         self._party: Any = None
         self._ticket: bytes | None = None
         self._started = time.time()
@@ -144,7 +145,12 @@ class ShardWorker:
             raise WorkerError(f"{self.name}: a share is int64 ring elements, not {arr.dtype}")
         # a copy of our own: what Ray hands over is a read-only view of its object store, which
         # ``drop`` could not zero
+        old = self._shares.get(name)
         self._shares[name] = np.array(arr, order="C", copy=True)
+        if old is not None:           # a name put again: the share it held is zeroed as a drop would
+            old.fill(0)
+        self._held += arr.nbytes - (old.nbytes if old is not None else 0)
+        self._peak_held = max(self._peak_held, self._held)
         return arr.nbytes
 
     def drop(self, names: list[str]) -> int:
@@ -154,6 +160,7 @@ class ShardWorker:
             arr = self._shares.pop(n, None)
             if arr is not None:
                 arr.fill(0)
+                self._held -= arr.nbytes
                 gone += 1
         return gone
 
@@ -185,6 +192,6 @@ class ShardWorker:
     def state(self) -> dict[str, Any]:
         """What ``starfish status`` shows of a worker."""
         return {"name": self.name, "pid": os.getpid(), "session": self._ticket is not None,
-                "shares": len(self._shares), "bytes": sum(a.nbytes for a in self._shares.values()),
+                "shares": len(self._shares), "bytes": self._held, "peak_bytes": self._peak_held,
                 "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                 "up_s": round(time.time() - self._started, 1)}

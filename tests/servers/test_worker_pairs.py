@@ -225,3 +225,41 @@ def test_a_server_with_workers_and_no_worker_certificates_refuses_to_start_in_on
     assert "[deployment] workers = 2" in lines[0] and str(tmp_path / "config.toml") in lines[0], lines
     assert "no certificate for server0-w0, server0-w1" in lines[0], lines
     assert "starfish keys issue --name server0-w0" in lines[0] and "set workers = 1" in lines[0], lines
+
+
+@given(ops=st.lists(st.tuples(st.sampled_from(["put", "drop"]), st.integers(0, 3), st.integers(0, 40)),
+                    max_size=30))
+def test_a_worker_zeroes_every_share_it_lets_go_and_counts_what_it_holds(tmp_path_factory, ops):
+    """``put`` (a new name, or a name again), ``drop``: every share the worker lets go of is
+    zeroed in place (erasure must not leave it in freed memory), and ``state`` reports the bytes
+    held now and at most, against a dictionary kept beside it."""
+    from servers.workers.shard_worker import ShardWorker
+
+    keys = tmp_path_factory.getbasetemp() / "worker-held-keys"
+    if not keys.exists():
+        tls.init_keys(keys, workers=1)
+    saved = tempfile.tempdir          # a worker points its process's temporary files at its own directory
+    w = ShardWorker(0, 0, str(keys), offline="dealer")
+    try:
+        model: dict[str, int] = {}
+        peak = 0
+        for op, k, size in ops:
+            name = f"v{k}"
+            if op == "put":
+                before = w._shares.get(name)
+                w.put(name, np.full(size, k + 1, dtype=np.int64))
+                if before is not None:
+                    assert not before.any()
+                model[name] = 8 * size
+            else:
+                before = w._shares.get(name)
+                assert w.drop([name]) == (1 if name in model else 0)
+                if before is not None:
+                    assert not before.any()
+                model.pop(name, None)
+            peak = max(peak, sum(model.values()))
+            st_ = w.state()
+            assert (st_["shares"], st_["bytes"], st_["peak_bytes"]) == (len(model), sum(model.values()), peak)
+    finally:
+        w.shutdown()
+        tempfile.tempdir = saved
