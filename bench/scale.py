@@ -10,14 +10,18 @@ predicts one Stage II for D up to 100M, N up to 1,000 and K workers:
   rows x D / K coordinates;
 * traffic per worker pair = b x rows x D / K (per shard); the coordinators' = c x rows (cross
   shard: sums of shares, the small solves, the bits);
-* peak memory per worker = m0 + m x N x D / K (what a worker holds grows with the clients'
-  rows of its shard; m0: the process with torch and CrypTen);
-* time = a x rows x D / (K x p) + r x T' + t0, with p = the pairs that run at once (the
-  calibration machine: its cores shared by both servers' workers; a prediction: ``--cores``
-  per server, default one core per worker); r is the cost of a replayed round that does not
-  grow with D (the coordinators' small solves and checks, the calls to the workers).
+* peak memory per worker = m0 + m x N x D / K + q x min(BLOCK, N x D / K): what a worker
+  holds grows with the clients' rows of its shard, a 2PC batch's temporaries with the batch
+  (``protocols.starfish.shard_steps.BLOCK`` values at most); m0: the process with torch and
+  CrypTen;
+* time = a x rows x D / p + r x T' + t0: each of the K pairs has rows x D / K coordinates to
+  do and p of them run at once (p = min(K, cores per server); the calibration machine's cores
+  are shared by both servers' workers, so there p = min(K, cores / 2); a prediction takes
+  ``--cores`` per server, default one core per worker: p = K); r is the cost of a replayed round
+  that does not grow with D (the coordinators' small solves and checks, the calls to the workers).
 
-b, c and m, m0 are least-squares fits over the runs; a, r, t0 too (non-negative). ``--check
+b, c and m, m0, q are least-squares fits over the runs; a, r, t0 a non-negative least-squares fit
+(so runs of one D cannot trade a negative a for a larger r: give runs of several D). ``--check
 RUN.json`` fits without that run and compares its prediction with it (the closing note's check).
 
     starfish bench scale out/unlearning-*-workers*-dealer.json --out out/scale.json   # and out/scale.png
@@ -34,6 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy.optimize import nnls
+
+from protocols.starfish.shard_steps import BLOCK
 
 from . import common_options
 from .report import machine_info, write_json
@@ -73,16 +80,20 @@ def fit(runs: list[dict]) -> dict[str, float]:
     b = float(np.dot(per_shard, [r["pair_bytes"] for r in runs]) / np.dot(per_shard, per_shard))
     c = float(np.dot(rows, [r["coordinator_bytes"] for r in runs]) / np.dot(rows, rows))
     held = np.array([r["N"] * r["D"] / r["K"] for r in runs], float)
-    mem = np.vstack([np.ones_like(held), held]).T
-    m0, m = np.linalg.lstsq(mem, np.array([r["worker_peak_mib"] for r in runs]), rcond=None)[0]
+    mem = np.vstack([np.ones_like(held), held, np.minimum(held, BLOCK)]).T
+    m0, m, q = np.linalg.lstsq(mem, np.array([r["worker_peak_mib"] for r in runs]), rcond=None)[0]
     # both servers' workers share the calibration machine's cores
-    work = np.array([r["rows"] * r["D"] / (r["K"] * _parallel(r["K"], r["cores"] / 2)) for r in runs], float)
+    work = np.array([r["rows"] * r["D"] / _parallel(r["K"], r["cores"] / 2) for r in runs], float)
     replayed = np.array([math.ceil(r["sigma"] * r["T"]) for r in runs], float)
     A = np.vstack([work, replayed, np.ones_like(rows)]).T
-    coef, *_ = np.linalg.lstsq(A, np.array([r["job_s"] for r in runs]), rcond=None)
-    a, r_, t0 = (max(0.0, float(x)) for x in coef)
+    # columns scaled to 1 so that the solver's tolerance treats them alike (work is ~1e8)
+    norms = np.linalg.norm(A, axis=0)
+    norms[norms == 0] = 1.0
+    coef, _ = nnls(A / norms, np.array([r["job_s"] for r in runs], float))
+    a, r_, t0 = (float(x) for x in coef / norms)
     return {"bytes_per_shard_coordinate": b, "coordinator_bytes_per_row": c, "worker_base_mib": float(m0),
-            "worker_mib_per_held_coordinate": float(m), "seconds_per_shard_coordinate": a,
+            "worker_mib_per_held_coordinate": float(m), "worker_mib_per_batch_value": float(q),
+            "seconds_per_shard_coordinate": a,
             "coordinator_seconds_per_round": r_, "fixed_seconds": t0}
 
 
@@ -92,12 +103,13 @@ def predict(model: dict[str, float], D: int, N: int, K: int, *, T: int = 40, sig
     rows = N * replayed
     per_shard = rows * D / K
     p = _parallel(K, K if cores_per_server is None else cores_per_server)
-    shard_s = model["seconds_per_shard_coordinate"] * per_shard / p
+    shard_s = model["seconds_per_shard_coordinate"] * rows * D / p
     cross_s = model["coordinator_seconds_per_round"] * replayed
     return {"D": D, "N": N, "K": K, "seconds": shard_s + cross_s + model["fixed_seconds"], "per_shard_seconds": shard_s,
             "cross_shard_seconds": cross_s, "pair_gb": model["bytes_per_shard_coordinate"] * per_shard / 1e9,
             "coordinator_gb": model["coordinator_bytes_per_row"] * rows / 1e9,
-            "worker_peak_gib": (model["worker_base_mib"] + model["worker_mib_per_held_coordinate"] * N * D / K) / 1024}
+            "worker_peak_gib": (model["worker_base_mib"] + model["worker_mib_per_held_coordinate"] * N * D / K
+                                + model.get("worker_mib_per_batch_value", 0.0) * min(BLOCK, N * D / K)) / 1024}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

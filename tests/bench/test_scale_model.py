@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench import scale
+from protocols.starfish.shard_steps import BLOCK
 
 TRUE = {"bytes_per_shard_coordinate": 30.0, "coordinator_bytes_per_row": 2_000.0, "worker_base_mib": 300.0,
-        "worker_mib_per_held_coordinate": 1.5e-4, "seconds_per_shard_coordinate": 2e-8,
+        "worker_mib_per_held_coordinate": 1.5e-4, "worker_mib_per_batch_value": 2e-4, "seconds_per_shard_coordinate": 2e-8,
         "coordinator_seconds_per_round": 0.4, "fixed_seconds": 3.0}
 SHAPES = [(256, 3, 10, 1), (10_000, 6, 10, 1), (10_000, 6, 10, 2), (582_026, 20, 40, 1), (582_026, 20, 40, 2),
           (100_000, 10, 20, 4)]
@@ -26,11 +27,12 @@ def _run(tmp_path, D, N, T, K, coef, offline="dealer", cores=2, name=None):
     sigma = 0.6
     rows = N * math.ceil(sigma * T)
     p = max(1.0, min(K, cores / 2))
-    job = coef["seconds_per_shard_coordinate"] * rows * D / (K * p) + coef["coordinator_seconds_per_round"] * math.ceil(sigma * T) \
+    job = coef["seconds_per_shard_coordinate"] * rows * D / p + coef["coordinator_seconds_per_round"] * math.ceil(sigma * T) \
         + coef["fixed_seconds"]
     pair = coef["bytes_per_shard_coordinate"] * rows * D / K
     worker = {"online": pair * 0.75, "offline": pair * 0.25, "rounds": 1,
-              "peak_rss_mib": coef["worker_base_mib"] + coef["worker_mib_per_held_coordinate"] * N * D / K}
+              "peak_rss_mib": coef["worker_base_mib"] + coef["worker_mib_per_held_coordinate"] * N * D / K
+              + coef["worker_mib_per_batch_value"] * min(BLOCK, N * D / K)}
     coord = {"online": coef["coordinator_bytes_per_row"] * rows, "offline": 0, "rounds": 1, "peak_rss_mib": 1}
     doc = {"benchmark": "unlearning --workers", "machine": {"cpu_count": cores},
            "config": {"num_params": D, "clients": N, "rounds": T, "sigma": sigma},
