@@ -50,7 +50,8 @@ def public_bits(y: Tensor) -> int:
     """The fractional bits a public factor is encoded with: one exponent for all of it (the
     products are summed before truncating), so coordinate shards must use the whole's."""
     y = torch.as_tensor(y, dtype=torch.float64)
-    return int(B.public_exponent(y.abs().max())) if y.numel() else B.frac_bits()
+    # the largest |y| without a temporary the size of y (a T x D factor in round selection)
+    return int(B.public_exponent(torch.maximum(y.max(), -y.min()))) if y.numel() else B.frac_bits()
 
 
 def inner_raw(x: Tensor, y: Tensor, dim: int = -1, e: int | None = None) -> Tensor:

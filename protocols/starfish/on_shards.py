@@ -275,8 +275,12 @@ class ShardMatrix(_Held):
             raise TypeError("shard rows times another secret: only with themselves")
         y = torch.as_tensor(other, dtype=torch.float64)
         e = public_bits(y)
-        parts = sp.run(steps.inner_program, self.refs, self.bits,
-                       per_shard=[(y[..., lo:hi], e) for lo, hi in sp.bounds])
+        # row by row to the workers (each named while it is in use), so that the object store
+        # never holds all of a (rows, m) factor at once (round selection's T model steps)
+        rows = list(y.reshape(-1, y.shape[-1]))
+        names = [sp.public(r) for r in rows]
+        parts = sp.run(steps.inner_program, self.refs, self.bits, ("rows", names, tuple(y.shape[:-1])), e)
+        del rows
         return inner_finish(sp.gather(parts), e)
 
 

@@ -281,7 +281,12 @@ def _target_keys(history: History, targets: Sequence[int], rounds: Sequence[int]
     # aggregated update is M_{i-1} - M_i (up to eta > 0). The paper writes M_i - M_{i-1} while
     # calling it "the aggregated gradients"; with that sign a target aligned with the round would
     # score -1 and the rounds where it mattered *least* would be selected.
-    dm = torch.stack([-history.model_delta(i) for i in rounds]).to(torch.float64)
+    dm = None                 # (T, m) float64, filled row by row: no float32 stack beside it
+    for k, i in enumerate(rounds):
+        step = history.model_delta(i)
+        if dm is None:
+            dm = torch.empty((len(rounds), step.numel()), dtype=torch.float64)
+        dm[k] = -step
     if len(targets) == 1:
         t = targets[0]
         g = stack([to_compute(history.update(i, t)) for i in rounds])

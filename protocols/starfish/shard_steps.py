@@ -170,9 +170,15 @@ def counts_program(party, worker, refs: list, bits: int, thresholds: tuple[np.nd
 
 def inner_program(party, worker, refs: list, bits: int, other: Any, e: int | None) -> tuple[np.ndarray, int]:
     """The raw inner products of rows with a public ``other`` (encoded with ``e`` bits, the
-    whole vector's) or with themselves (``other`` None) on this shard (``inner_product.inner_raw``)."""
+    whole vector's) or with themselves (``other`` None) on this shard (``inner_product.inner_raw``).
+    A public ``other`` is ``("rows", names, lead)``: its rows kept here by name, ``lead`` its
+    leading shape."""
     x = wrap(_stacked(worker, refs), bits)
-    return share_of(inner_raw(x, x if other is None else torch.as_tensor(other), -1, e))
+    if other is None:
+        return share_of(inner_raw(x, x, -1, e))
+    _, names, lead = other
+    y = torch.stack([_public(worker, n) for n in names]).reshape(*lead, -1)
+    return share_of(inner_raw(x, y, -1, e))
 
 
 def curvature_program(party, worker, refs: list, bits: int, s_name: str) -> tuple:

@@ -355,3 +355,19 @@ def test_empty_batch(pair, what):
         assert pair.call(mp.max_empty_batch, (0, 5))[0] == (0,)
     else:
         assert pair.call(mp.inner_empty_batch, (3, 0))[0] == (3,)
+
+
+@given(values=st.lists(st.one_of(st.floats(-1e3, 1e3, allow_nan=False), st.sampled_from([0.0, -0.0, 2**-40, -(2**-40)])),
+                       max_size=40),
+       rows=st.integers(1, 4))
+def test_public_bits_is_the_exponent_of_the_largest_magnitude(values, rows):
+    """``public_bits`` (one exponent for a whole public factor, shards included) equals
+    ``clamp(16 - ceil(log2 max|y|), 16, 32)`` computed here with Python floats (16 for an
+    all-zero or empty factor), whatever the factor's shape."""
+    from protocols.inner_product import public_bits
+
+    big = max((abs(v) for v in values), default=0.0)
+    want = 16 if big == 0 else min(32, max(16, 16 - math.ceil(math.log2(big))))
+    y = torch.tensor(values * rows, dtype=torch.float64).reshape(rows, -1) if values else torch.zeros(rows, 0)
+    assert public_bits(y) == want
+    assert public_bits(y.reshape(-1)) == want
