@@ -12,7 +12,8 @@ predicts one Stage II for D up to 100M, N up to 1,000 and K workers:
   shard: sums of shares, the small solves, the bits);
 * peak memory per worker = m0 + m x N x D / K + q x min(BLOCK, N x D / K): what a worker
   holds grows with the clients' rows of its shard, a 2PC batch's temporaries with the batch
-  (``protocols.starfish.shard_steps.BLOCK`` values at most); m0: the process with torch and
+  (``protocols.starfish.shard_steps.BLOCK`` values at most, ``TWO_PARTY_BLOCK`` in two-party
+  mode); m0: the process with torch and
   CrypTen;
 * time = a x rows x D / p + r x T' + t0: each of the K pairs has rows x D / K coordinates to
   do and p of them run at once (p = min(K, cores per server); the calibration machine's cores
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
-from protocols.starfish.shard_steps import BLOCK
+from protocols.starfish.shard_steps import BLOCK, TWO_PARTY_BLOCK
 
 from . import common_options
 from .report import machine_info, write_json
@@ -80,7 +81,8 @@ def fit(runs: list[dict]) -> dict[str, float]:
     b = float(np.dot(per_shard, [r["pair_bytes"] for r in runs]) / np.dot(per_shard, per_shard))
     c = float(np.dot(rows, [r["coordinator_bytes"] for r in runs]) / np.dot(rows, rows))
     held = np.array([r["N"] * r["D"] / r["K"] for r in runs], float)
-    mem = np.vstack([np.ones_like(held), held, np.minimum(held, BLOCK)]).T
+    batch = TWO_PARTY_BLOCK if runs[0]["offline"] == "two-party" else BLOCK     # shard_steps.batch_values
+    mem = np.vstack([np.ones_like(held), held, np.minimum(held, batch)]).T
     m0, m, q = np.linalg.lstsq(mem, np.array([r["worker_peak_mib"] for r in runs]), rcond=None)[0]
     # both servers' workers share the calibration machine's cores
     work = np.array([r["rows"] * r["D"] / _parallel(r["K"], r["cores"] / 2) for r in runs], float)
@@ -93,6 +95,7 @@ def fit(runs: list[dict]) -> dict[str, float]:
     a, r_, t0 = (float(x) for x in coef / norms)
     return {"bytes_per_shard_coordinate": b, "coordinator_bytes_per_row": c, "worker_base_mib": float(m0),
             "worker_mib_per_held_coordinate": float(m), "worker_mib_per_batch_value": float(q),
+            "batch_values": float(batch),
             "seconds_per_shard_coordinate": a,
             "coordinator_seconds_per_round": r_, "fixed_seconds": t0}
 
@@ -109,7 +112,8 @@ def predict(model: dict[str, float], D: int, N: int, K: int, *, T: int = 40, sig
             "cross_shard_seconds": cross_s, "pair_gb": model["bytes_per_shard_coordinate"] * per_shard / 1e9,
             "coordinator_gb": model["coordinator_bytes_per_row"] * rows / 1e9,
             "worker_peak_gib": (model["worker_base_mib"] + model["worker_mib_per_held_coordinate"] * N * D / K
-                                + model.get("worker_mib_per_batch_value", 0.0) * min(BLOCK, N * D / K)) / 1024}
+                                + model.get("worker_mib_per_batch_value", 0.0)
+                                * min(model.get("batch_values", BLOCK), N * D / K)) / 1024}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

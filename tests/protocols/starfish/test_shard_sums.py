@@ -138,3 +138,17 @@ def test_row_chunks_cover_every_row_once_within_the_block(rows, per_row, block):
         assert (hi - lo) * per_row <= block or hi - lo == 1
     # as few chunks as the block allows
     assert len(chunks) == (0 if rows == 0 else -(-rows // max(1, block // max(1, per_row))))
+
+
+@given(block=st.integers(1, 1 << 23), mode=st.sampled_from(["dealer", "two-party", None]))
+def test_batch_values_caps_the_two_party_batch_only(block, mode):
+    """Two-party mode batches at most ``TWO_PARTY_BLOCK`` values (its engine's memory follows the
+    batch); the dealer mode, or a plaintext caller without a session, keeps ``block``."""
+    from types import SimpleNamespace
+
+    from common.offline_mode import OfflineMode
+    from protocols.starfish.shard_steps import TWO_PARTY_BLOCK, batch_values
+
+    party = None if mode is None else SimpleNamespace(offline=OfflineMode.of(mode))
+    want = min(block, TWO_PARTY_BLOCK) if mode == "two-party" else block
+    assert batch_values(party, block) == want
