@@ -33,7 +33,7 @@ __all__ = ["run_round", "coordinator", "run_pair"]
 
 
 def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np.ndarray, counts: list,
-             norms: np.ndarray, deltas: np.ndarray, options: dict[str, Any], swap_peers: bool, peer,
+             norms: np.ndarray, deltas: np.ndarray, options: dict[str, Any], peer,
              attempt: int, kill: bool, groups: list, marks: dict) -> dict:
     t0 = time.perf_counter()
     group = WorkerGroup(rank, keys_dir, workers, shares.shape[-1], ray_dir=ray_dir, **options)
@@ -46,8 +46,6 @@ def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np.nd
             peers, address = None, None
         else:
             peers, address = peer.recv()
-            if swap_peers:     # worker k meets the other server's worker k+1 (a test: refused)
-                peers = peers[1:] + peers[:1]
         group.open(f"round:on-shards:attempt:{attempt}".encode(), peers)
         source = {k: v for k, v in options.items() if k in ("offline", "dealer_address") and v}
         party = open_party(rank, keys_dir, peer_listener=listener, peer_address=address,
@@ -78,7 +76,7 @@ def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np.nd
 
 
 def coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np.ndarray, counts: list,
-                norms: np.ndarray, deltas: np.ndarray, options: dict[str, Any], swap_peers: bool,
+                norms: np.ndarray, deltas: np.ndarray, options: dict[str, Any],
                 peer, out, kill_worker: bool = False) -> None:
     """Server ``rank``'s side: scatter its shares of the updates, check and aggregate on shards;
     sends ("ok", report) or ("error", text) through ``out``. ``kill_worker`` (a fault test):
@@ -90,8 +88,8 @@ def coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np
 
     def attempt(n: int) -> dict:
         marks.clear()
-        return _attempt(rank, keys_dir, ray_dir, workers, shares, counts, norms, deltas, options, swap_peers,
-                        peer, n, kill_worker and n == 1 and rank == 0, groups, marks)
+        return _attempt(rank, keys_dir, ray_dir, workers, shares, counts, norms, deltas, options, peer,
+                        n, kill_worker and n == 1 and rank == 0, groups, marks)
 
     def failure(exc: BaseException) -> dict:
         return {"check_failed_after_s": time.perf_counter() - marks["check"] if "check" in marks else None}
@@ -134,7 +132,7 @@ def _split(ring: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.n
 
 
 def run_round(keys_dir: str, workers: int, ring: np.ndarray, counts: list, norms: np.ndarray,
-              deltas: np.ndarray, *, offline: str, dealer_address=None, swap_peers: bool = False,
+              deltas: np.ndarray, *, offline: str, dealer_address=None,
               kill_worker: bool = False, timeout: float = 120.0, seed: int = 7,
               wait: float = 3600.0) -> list[tuple]:
     """Both servers' reports (rank 0, rank 1) of one round on ``workers`` worker pairs. ``ring``:
@@ -144,7 +142,7 @@ def run_round(keys_dir: str, workers: int, ring: np.ndarray, counts: list, norms
     options = {"offline": offline, "dealer_address": dealer_address, "timeout": timeout}
     return run_pair(coordinator, lambda r, ray_dir, peer, out: (
         r, str(keys_dir), ray_dir, workers, shares[0][r], list(counts), shares[1][r], shares[2][r], options,
-        swap_peers, peer, out, kill_worker), wait)
+        peer, out, kill_worker), wait)
 
 
 def run_pair(target, args_of, wait: float) -> list[tuple]:

@@ -15,10 +15,8 @@ is fetched online (no recorded schedule), so its bytes count as each session's o
 
 from __future__ import annotations
 
-import os
 import resource
 import shutil
-import signal
 import socket
 import tempfile
 import threading
@@ -42,31 +40,8 @@ def _traffic(meters: dict) -> dict:
         {"rounds": tot.get("online_rounds", 0)}
 
 
-class _KillAt:
-    """The group as Stage II reaches it, killing (SIGKILL) the last worker just before program
-    number ``at`` (a fault test: the worker dies with its pair's session open, mid-job)."""
-
-    def __init__(self, group: Any, at: int) -> None:
-        self.group, self.at, self.calls, self.killed_at = group, at, 0, None
-        self.bounds = group.bounds
-
-    def scatter(self, name: str, share: np.ndarray) -> None:
-        self.group.scatter(name, share)
-
-    def drop(self, names: list[str]) -> None:
-        self.group.drop(names)
-
-    def run(self, program, *args, per_shard=None) -> list[Any]:
-        self.calls += 1
-        if self.calls == self.at:
-            os.kill(self.group.state()[-1]["pid"], signal.SIGKILL)
-            self.killed_at = time.time()
-        return self.group.run(program, *args, per_shard=per_shard)
-
-
 def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, cfg: SyntheticConfig, data_path: str,
-             method: str, t_delta: int, options: dict, peer, attempt: int, kill_at: int | None,
-             held: list) -> dict:
+             method: str, t_delta: int, options: dict, peer, attempt: int, held: list) -> dict:
     from mpc.session import open_party, shared_engine_pool
     from protocols.starfish import StarfishParams, run_stage2
     from protocols.starfish.on_shards import ShardClients, ShardHistory, ShardSpace
@@ -95,15 +70,10 @@ def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, cfg: Syntheti
         started = time.perf_counter() - t0
         hist = SyntheticHistory(cfg, load_data(data_path), rank, party.wrap_share)
         clients = SyntheticClients(hist)
-        ex = _KillAt(group, kill_at) if kill_at else group
-        space = ShardSpace(ex, cfg.num_params)
+        space = ShardSpace(group, cfg.num_params)
         params = StarfishParams(sigma=cfg.sigma, beta=cfg.beta, buffer=cfg.buffer, method=method, t_delta=t_delta)
         t1 = time.perf_counter()
-        try:
-            res = run_stage2(party, ShardHistory(hist, space), list(cfg.targets), params, ShardClients(clients, space))
-        except Exception as exc:
-            exc.killed_at = getattr(ex, "killed_at", None)   # type: ignore[attr-defined]
-            raise
+        res = run_stage2(party, ShardHistory(hist, space), list(cfg.targets), params, ShardClients(clients, space))
         job = time.perf_counter() - t1
         space.close()
         report = res.to_json()
@@ -123,32 +93,25 @@ def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, cfg: Syntheti
 
 
 def _coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, spec: dict, data_path: str,
-                 method: str, t_delta: int, options: dict, peer, out, kill_at: int | None = None) -> None:
+                 method: str, t_delta: int, options: dict, peer, out) -> None:
     """Server ``rank``'s coordinator: its workers, the sessions, Stage II; ("ok", report) or
-    ("error", text) through ``out``. ``kill_at`` (a fault test): server 0 kills its last worker
-    before the job's program number ``kill_at``; each server reports the failed run (its one
-    line, and when it failed) and runs the job again on new workers, as the daemon does."""
+    ("error", text) through ``out``. (A worker killed mid-job, and the daemon's next run:
+    ``tests/servers/test_service_workers.py``.)"""
     torch.set_num_threads(1)
     held: list = []
 
     def attempt(n: int) -> dict:
-        return _attempt(rank, keys_dir, ray_dir, workers, SyntheticConfig.from_json(spec), data_path, method, t_delta, options, peer, n,
-                        kill_at if n == 1 and rank == 0 else None, held)
+        return _attempt(rank, keys_dir, ray_dir, workers, SyntheticConfig.from_json(spec), data_path, method, t_delta, options, peer, n, held)
 
-    def failure(exc: BaseException) -> dict:
-        return {"failed_at": time.time(), "killed_at": getattr(exc, "killed_at", None)}
-
-    answer_with_retries(out, 2 if kill_at else 1, attempt, failure, held, "failed_runs")
+    answer_with_retries(out, 1, attempt, lambda exc: {"failed_at": time.time()}, held, "failed_runs")
 
 
 def run_job(keys_dir: str, workers: int, spec: dict, data_path: str, method: str, t_delta: int, *,
-            offline: str, dealer_address=None, timeout: float = 600.0, wait: float = 7200.0,
-            kill_at: int | None = None) -> list[tuple]:
-    """Both coordinators' reports (rank 0, rank 1) of one Stage II on ``workers`` pairs
-    (``kill_at``: see ``_coordinator``)."""
+            offline: str, dealer_address=None, timeout: float = 600.0, wait: float = 7200.0) -> list[tuple]:
+    """Both coordinators' reports (rank 0, rank 1) of one Stage II on ``workers`` pairs."""
     options = {"offline": offline, "dealer_address": dealer_address, "timeout": timeout}
     return run_pair(_coordinator, lambda r, ray_dir, peer, out: (
-        r, keys_dir, ray_dir, workers, spec, data_path, method, t_delta, options, peer, out, kill_at), wait)
+        r, keys_dir, ray_dir, workers, spec, data_path, method, t_delta, options, peer, out), wait)
 
 
 def bench(cfg: SyntheticConfig, data_path: str, workers: int, offline: str, method: str, t_delta: int,

@@ -14,7 +14,7 @@ The life of a request (docs/service.md, "The life of an unlearning request"):
 2. **running**: server 0 (:meth:`JobScheduler.lead`) picks the oldest job both servers hold
    as the same request, asks server 1 to start run ``attempt`` (:class:`JobStart`) and runs it
    too; both run Stage II in a fresh 2PC session (``servers.secure.unlearning_jobs``). A run whose
-   session is lost (a peer died, a crash) is abandoned and the job re-queued; the next run
+   session is lost (a peer died, a crash, a worker died or lost its peer) is abandoned and the job re-queued; the next run
    gets the next attempt number (persisted), up to :data:`MAX_JOB_ATTEMPTS`.
 3. **computed**: both servers wrote the same model (digest checked inside the session).
 4. **done**: server 0 asks server 1 to adopt (:class:`AdoptJob`): server 1 commits the model
@@ -63,6 +63,7 @@ from servers.secure.ring_aggregation import model_digest
 from servers.daemon.service_state import ServiceState
 from servers.store.share_store import ShareStore
 from servers.secure.unlearning_jobs import JobWorkers, job_params, read_result, run_job
+from servers.workers.shard_worker import WorkerError
 
 __all__ = ["JobScheduler", "JobCancelled", "MAX_JOB_ATTEMPTS", "PENDING", "MAX_REQUESTED",
            "ADMIN_PENDING_JOBS", "SUPERSEDED", "job_quota"]
@@ -424,7 +425,9 @@ class JobScheduler:
             log.info("job %s computed (run %d): model %s", jid, attempt, digest[:16])
         except JobCancelled as exc:
             self.store.update_job(jid, state=JobState.CANCELLED, error=str(exc))
-        except (ChannelError, ConnectionError, TimeoutError, LockstepError) as exc:
+        except (ChannelError, ConnectionError, TimeoutError, LockstepError, WorkerError) as exc:
+            # a worker that died or lost its peer ends its pair's session: the run is lost, not
+            # the job (the next run starts new workers; ``ServerWorkers.end_job``)
             if self.stop_event.is_set() or attempt < MAX_JOB_ATTEMPTS:
                 log.warning("job %s: run %d lost its session (%s: %s); re-queued", jid, attempt,
                             type(exc).__name__, exc)

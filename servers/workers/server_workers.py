@@ -30,6 +30,7 @@ from common import wire
 from common.service_config import ServiceConfig
 from net.channel import KIND_OBJECT
 from net import tls
+from servers.store.crash_points import checkpoint, planned
 from servers.store.share_store import ShareStore
 
 from .sharded_round import check_on_shards
@@ -61,6 +62,29 @@ class PreparedCheck:
     names: tuple[str, ...]          # the workers' names of each participant's update shares
     norms: np.ndarray               # this server's shares of the reported norms, (n,)
     deltas: np.ndarray              # and of the thresholds delta_j, (n,)
+
+
+#: the crash-test seam a job's programs on the workers pass (``servers.store.crash_points``)
+JOB_SEAM = "job-shard-program"
+
+
+class _JobSeam:
+    """A job's group, passing :data:`JOB_SEAM` before each program: a test kills this server's
+    last worker mid-job (its pair's session open, its shares held) with ``STARFISH_CRASH_AT``."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self._group = group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._group, name)
+
+    def _last(self) -> tuple[str, int]:
+        last = self._group.state()[-1]
+        return last["name"], int(last["pid"])
+
+    def run(self, program: Callable[..., Any], *args: Any, per_shard: Sequence[tuple] | None = None) -> list[Any]:
+        checkpoint(JOB_SEAM, victim=self._last)
+        return self._group.run(program, *args, per_shard=per_shard)
 
 
 class ServerWorkers:
@@ -197,7 +221,7 @@ class ServerWorkers:
                     raise RuntimeError(f"server 1 runs {len(peers)} workers and this server {self.cfg.workers}: "
                                        "[deployment] workers must be the same at both servers")
             group.open(ticket, peers)
-            return group
+            return _JobSeam(group) if planned(JOB_SEAM) else group
         return self._guarded(meet)
 
     def end_job(self, failed: str | None) -> list[dict]:

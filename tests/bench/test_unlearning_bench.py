@@ -99,3 +99,30 @@ def test_scaling_measures_each_link_profile(tmp_path):
     assert data["link_profiles"][0]["shaping"]["method"] == "link-emulation"
     assert "round s wan" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_unlearning_benchmark_on_two_workers_per_server_equals_the_twin(tmp_path):
+    """``bench unlearning --workers 2`` (each server a coordinator and 2 Ray workers in its own
+    cluster): both servers' models equal, and the run's public decisions equal the plaintext
+    Stage II here; each worker reports its memory and traffic. (A worker killed mid-job, and the
+    daemon's next run: ``tests/servers/test_service_workers.py``.)"""
+    pytest.importorskip("ray")
+    from protocols.starfish import StarfishParams, run_stage2
+
+    out = tmp_path / "w.json"
+    assert unlearning.main(["--config", "tiny", "--workers", "2", "--profile", "none", "--offline", "dealer",
+                            "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    res = doc["result"]
+    assert doc["correct"] and res["servers_agree"] and res["workers"] == 2
+    twin = res["plaintext_twin"]
+    assert twin["selected_rounds_equal"] and twin["flags_equal"] and twin["max_abs_diff"] <= 1e-3
+    cfg = synthetic.config("tiny")
+    h = synthetic.SyntheticHistory(cfg, synthetic.load_data(synthetic.prepare(cfg, tmp_path / "cache")), None)
+    plain = run_stage2(None, h, list(cfg.targets), StarfishParams(method=doc["round_selection"]),
+                       synthetic.SyntheticClients(h))
+    assert res["selected_rounds"] == plain.selected_rounds
+    assert res["flags"] == {str(k): v for k, v in plain.flags.items()}
+    for server in res["servers"]:
+        assert len(server["workers"]) == 2
+        assert all(w["online"] > 0 and w["peak_rss_mib"] > 0 for w in server["workers"])

@@ -2,11 +2,14 @@
 
 3 clients, 4 FL rounds, each closed after a range check on coordinate shards (each worker pair
 checks its shard, the coordinators decide); client 0 asks to be forgotten after round 2 and the
-job's Stage II runs with every update, secant and estimate on the shards; server
-0's worker 1 is killed (SIGKILL) once round 1 is committed, with the next round open. Oracles:
-plaintext FedAvg for every FL round (the clients' own check), the plaintext Stage II on the twin
-history, what ``status`` shows (every worker up before, a new group of workers after the kill:
-other process ids; the killed one named in server 0's log), and a byte scan after the erasure of
+job's Stage II runs with every update, secant and estimate on the shards. Server 0's worker 1
+is killed (SIGKILL) twice: once round 1 is committed, with the next round open, and in the job's
+first run, before its 6th program on the shards (the daemon's crash-test seam
+``job-shard-program``), with its pair's session open and its shares held. Oracles: plaintext
+FedAvg for every FL round (the clients' own check), the plaintext Stage II on the twin history
+(the job's second run), both servers' logs (the first run lost within seconds of the kill, each
+server naming a worker of its own), what ``status`` shows (every worker up before, a new group of
+workers after the kill: other process ids; the killed one named in server 0's log), and a byte scan after the erasure of
 every place a worker of either server keeps files (its temporary directory, its server's Ray
 directory) and of the stores, for the forgotten client's shares as each worker held them.
 """
@@ -17,6 +20,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,12 +34,14 @@ from clients.share_seeds import disk_traces, find_traces, seeded_shares
 from lab.history import NpzHistory
 from net import tls
 from servers.store.share_store import ShareStore
+from servers.workers.server_workers import JOB_SEAM
 from servers.workers.shards import shard_bounds
 from tests.helpers.service_harness import Deployment, job_model, stage2_twin
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(900)
 N, FL_ROUNDS, ASK_AT, K = 3, 4, 2, 2
+KILL_AT_PROGRAM = 6      # the job's program on the shards before which server 0's worker 1 dies
 
 
 def _status(dep, party):
@@ -60,7 +66,7 @@ def run(tmp_path_factory):
     try:
         dep.start("dealer", ["dealer"])
         dep.start_server(1)
-        dep.start_server(0)
+        dep.start_server(0, f"{JOB_SEAM}:{KILL_AT_PROGRAM}")
         dep.wait_ready()
         before = [_wait(f"server {p}'s workers up", lambda p=p: (lambda w: w if w and all(
             x["state"] == "up" for x in w) else None)(_status(dep, p).get("workers")), 180, dep)
@@ -87,6 +93,11 @@ def run(tmp_path_factory):
     finally:
         dep.close()
     yield dep, summary, before, after, victim, recs, client_view, cli, scans
+
+
+def _log_time(line: str) -> float:
+    """The time a daemon's log line was written (``%(asctime)s``: local time, milliseconds)."""
+    return time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
 
 
 def _worker_dirs(dep, p):
@@ -172,3 +183,20 @@ def test_erasure_reaches_every_worker(run):
         assert found[1]["store"], "the scan must find a kept client's shares in the store"
         assert found[0]["store"] == [] and found[0]["workers"] == []
         assert found[1]["workers"] == []       # workers drop (zero) every share after a check
+
+
+def test_a_worker_killed_mid_job_fails_the_run_on_both_servers_and_the_next_run_is_adopted(run):
+    dep, summary, _, _, _, recs, *_ = run
+    job = next(iter(summary["jobs"]))
+    logs = {p: (dep.root / "logs" / f"server{p}.log").read_text(errors="replace").splitlines() for p in (0, 1)}
+    seam = [ln for ln in logs[0] if f"crash-test seam: SIGKILL of server0-w1 at {JOB_SEAM} (pass {KILL_AT_PROGRAM})" in ln]
+    assert len(seam) == 1, "\n".join(logs[0][-60:])
+    lost = {p: [ln for ln in logs[p] if f"job {job}: run 1 lost its session" in ln] for p in (0, 1)}
+    assert len(lost[0]) == 1 and len(lost[1]) == 1, lost
+    # server 0 names its dead worker; server 1 the first of its workers to lose its peer (the
+    # killed one's, or the other, whose peer server 0 ends as it gives the run up)
+    assert "WorkerError" in lost[0][0] and "server0-w1 is gone" in lost[0][0], lost[0]
+    assert re.search(r"server1-w\d: WorkerError: (PeerDisconnected|PeerTimeout|ChannelError)", lost[1][0]), lost[1]
+    killed = _log_time(seam[0])
+    assert _log_time(lost[0][0]) - killed < 10 and _log_time(lost[1][0]) - killed < 30
+    assert [r["attempts"] for r in recs] == [2, 2]
