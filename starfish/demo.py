@@ -135,6 +135,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=20, help="simulated clients (20)")
     p.add_argument("--rounds", type=int, default=40, help="FL rounds before the request (40)")
     p.add_argument("--after", type=int, default=5, help="FL rounds after the adoption (5)")
+    p.add_argument("--attackers", type=int, default=0,
+                   help="backdoor attackers among the remaining clients (0): clients 1..A carry client "
+                        "0's backdoor and stay in FL; with a robust --aggregator, the report adds the "
+                        "plaintext FedAvg replay of the same history (what the attackers get back when a "
+                        "robust history is replayed as FedAvg)")
     p.add_argument("--workdir", help="deployment directory (default: a new temporary one, removed "
                                      "after a successful run)")
     p.add_argument("--keep", action="store_true", help="keep the temporary deployment directory")
@@ -286,11 +291,12 @@ def _comm_table(meters0: dict, meters1: dict, two_party: bool = False) -> list[s
 
 
 def _baselines(cfg: Any, full: History, rounds: int, n: int, target: int, model_2pc: Any,
-               quiet: bool = False) -> tuple[list, dict]:
+               quiet: bool = False, backdoor: str | None = None) -> tuple[list, dict]:
     """Plaintext retrain, FedRecover and Starfish on the twin of the history the job read
-    (its first ``rounds`` rounds); metrics of every model and of the final M_T."""
+    (its first ``rounds`` rounds); metrics of every model and of the final M_T. With a robust
+    rule, also Starfish's plaintext FedAvg replay of the same history."""
 
-    spec = federation_spec(cfg, _sim_args(n, target))
+    spec = federation_spec(cfg, _sim_args(n, backdoor or str(target)))
     fed = build_federation(spec)
     twin = history_prefix(full, rounds)
     tc = fed.clients[target]
@@ -317,11 +323,17 @@ def _baselines(cfg: Any, full: History, rounds: int, n: int, target: int, model_
         recovered, c_fr = FedRecover(buffer=cfg.unlearning.buffer, beta=cfg.unlearning.beta,
                                      warmup=cfg.unlearning.buffer).unlearn(twin, [target], fed.clients,
                                                                            progress=progress.callback(b))
+    fedavg_replay = None
+    if _lab_rule(cfg.fl) is not None:
+        with bar("Starfish, plaintext FedAvg replay") as b:
+            fedavg_replay = run_stage2(None, twin, [target], starfish_params(cfg), _Plain(),
+                                       progress=progress.callback(b)).model
     m2pc = torch.from_numpy(np.asarray(model_2pc))
     rows = [
         (f"M_{rounds} (with client {target})", twin.model(twin.num_rounds), float("nan")),
         ("Starfish, 2PC (the servers)", m2pc, None),
         ("Starfish, plaintext twin", plain.model, t_plain),
+        *([("Starfish, FedAvg replay (plain)", fedavg_replay, float("nan"))] if fedavg_replay is not None else []),
         ("retrain, plaintext", retrained, c_re.wall_time_s),
         ("FedRecover, plaintext", recovered, c_fr.wall_time_s),
         (f"M_{full.num_rounds}: {full.num_rounds - rounds - 1} FL rounds later", full.model(full.num_rounds),
@@ -429,8 +441,8 @@ def _erasure_scan(cfg: Any, twin: History, target: int, control: int) -> tuple[i
     return found[target], found[control], files
 
 
-def _sim_args(n: int, target: int) -> argparse.Namespace:
-    return argparse.Namespace(dataset=None, data_dir=None, n=n, seed=None, backdoor=str(target),
+def _sim_args(n: int, backdoor: str) -> argparse.Namespace:
+    return argparse.Namespace(dataset=None, data_dir=None, n=n, seed=None, backdoor=backdoor,
                               epochs=None, lr=None, train_limit=None)
 
 
@@ -449,6 +461,11 @@ def run_service_demo(args: argparse.Namespace) -> int:
 
     t_start = time.monotonic()
     aggregator = getattr(args, "aggregator", "fedavg")
+    attackers = getattr(args, "attackers", 0)
+    if not 0 <= attackers <= args.clients - 2:
+        raise SystemExit(f"starfish demo: --attackers {attackers} is outside 0..{args.clients - 2} "
+                         f"(clients 1..A of --clients {args.clients}, one honest client at least)")
+    backdoor = ",".join(str(j) for j in range(attackers + 1))
     if args.timeout is None:
         args.timeout = 1800.0 if args.offline == "two-party" else 540.0
         if aggregator != "fedavg":   # one more 2PC session per round (docs/service.md)
@@ -475,13 +492,14 @@ def run_service_demo(args: argparse.Namespace) -> int:
         procs.start("server1", ["server", "--party", "1", "--config", str(cfg_path)], env)
         procs.start("server0", ["server", "--party", "0", "--config", str(cfg_path)], env)
         _wait_ready(cfg, procs, deadline)
+        also = f", so do clients 1-{attackers}, who stay" if attackers else ""
         _say(f"[3/5] {args.clients} clients train {args.rounds} rounds on the digits (client {target} "
-             f"has a backdoor), sharing every upload between the servers; then client {target} "
+             f"has a backdoor{also}), sharing every upload between the servers; then client {target} "
              f"asks to be forgotten, the servers run Starfish in 2PC, adopt the result as "
              f"M_{args.rounds + 1}, erase client {target}, and FL goes on for {args.after} rounds")
         t_fl = time.monotonic()
         clients = procs.start("clients", [
-            "clients", "--config", str(cfg_path), "--n", str(args.clients), "--backdoor", str(target),
+            "clients", "--config", str(cfg_path), "--n", str(args.clients), "--backdoor", backdoor,
             "--unlearn", f"{target}@{args.rounds}", "--twin-dir", str(work / "twin"), "--summary",
             str(work / "clients.json"), "--max-seconds", str(max(30.0, deadline - time.monotonic()))], env)
         offset = 0
@@ -512,7 +530,7 @@ def run_service_demo(args: argparse.Namespace) -> int:
         _say("[4/5] plaintext baselines on the twin history (retrain, FedRecover, Starfish)")
         twin = NpzHistory(work / "twin")
         table, extra = _baselines(cfg, twin, res0["rounds"], args.clients, target, recs[0]["model"],
-                                  getattr(args, "quiet", False))
+                                  getattr(args, "quiet", False), backdoor)
         _say("[5/5] report\n")
         if aggregator == "fedavg":
             _say(f"FL: {summary['T']} rounds ({summary['T'] - 1} FL rounds and 1 unlearning round), "

@@ -5,6 +5,7 @@ import stat
 import subprocess
 import sys
 
+import pytest
 from cryptography import x509
 
 from starfish.cli import main
@@ -72,3 +73,14 @@ def _is_zombie(pid):
         return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     except FileNotFoundError:
         return True
+
+
+@pytest.mark.parametrize("attackers, clients", [(-1, 20), (19, 20), (3, 4), (1, 2)])
+def test_demo_refuses_attackers_outside_0_to_clients_minus_2_in_one_line_before_starting(tmp_path, attackers,
+                                                                                         clients):
+    work = tmp_path / "demo"
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--attackers", str(attackers), "--clients", str(clients), "--workdir", str(work)])
+    msg = str(exc.value)
+    assert "\n" not in msg and f"--attackers {attackers} is outside 0..{clients - 2}" in msg
+    assert not work.exists()       # refused before any key, config or process
