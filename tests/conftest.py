@@ -21,19 +21,20 @@ from mpc.party_pair import PartyPair
 
 #: seconds each heavy file took in the two workers (``pytest -n 2 --dist loadfile
 #: --durations=0``, summed per file; measured at 9d0c887, the three files changed since then
-#: from the fresh-clone run at f703878). A file not listed is light and keeps its place after
-#: these; a stale figure only changes the order.
+#: from the fresh-clone run at f703878, and the three Ray files changed at 0a06585 from a run
+#: there). A file not listed is light and keeps its place after these; a stale figure only
+#: changes the order.
 _FILE_SECONDS = {
     "tests/servers/test_robust_unlearning.py": 89,
     "tests/mpc/test_two_party_mode.py": 84,
     "tests/servers/test_job_crashes.py": 78,
     "tests/protocols/test_robust_aggregation.py": 60,
     "tests/protocols/test_compare_properties.py": 52,
+    "tests/bench/test_unlearning_bench.py": 52,
     "tests/servers/test_worker_pairs.py": 50,
     "tests/servers/test_service_workers.py": 45,
     "tests/protocols/starfish/test_stage2_2pc.py": 43,
     "tests/servers/test_robust_service.py": 42,
-    "tests/bench/test_unlearning_bench.py": 52,
     "tests/cli/test_cli.py": 36,
     "tests/protocols/test_primitives_2pc.py": 32,
     "tests/mpc/test_crypten_conformance.py": 32,
