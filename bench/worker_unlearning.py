@@ -101,7 +101,8 @@ def _coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, spec: dic
     held: list = []
 
     def attempt(n: int) -> dict:
-        return _attempt(rank, keys_dir, ray_dir, workers, SyntheticConfig.from_json(spec), data_path, method, t_delta, options, peer, n, held)
+        return _attempt(rank, keys_dir, ray_dir, workers, SyntheticConfig.from_json(spec), data_path, method,
+                        t_delta, options, peer, n, held)
 
     answer_with_retries(out, 1, attempt, lambda exc: {"failed_at": time.time()}, held, "failed_runs")
 

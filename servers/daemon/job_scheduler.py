@@ -14,8 +14,9 @@ The life of a request (docs/service.md, "The life of an unlearning request"):
 2. **running**: server 0 (:meth:`JobScheduler.lead`) picks the oldest job both servers hold
    as the same request, asks server 1 to start run ``attempt`` (:class:`JobStart`) and runs it
    too; both run Stage II in a fresh 2PC session (``servers.secure.unlearning_jobs``). A run whose
-   session is lost (a peer died, a crash, a worker died or lost its peer) is abandoned and the job re-queued; the next run
-   gets the next attempt number (persisted), up to :data:`MAX_JOB_ATTEMPTS`.
+   session is lost (a peer died, a crash, a worker died or lost its peer) is abandoned and the
+   job re-queued; the next run gets the next attempt number (persisted), up to
+   :data:`MAX_JOB_ATTEMPTS`.
 3. **computed**: both servers wrote the same model (digest checked inside the session).
 4. **done**: server 0 asks server 1 to adopt (:class:`AdoptJob`): server 1 commits the model
    as round T+1 and erases the targets in one store transaction, and answers its erasure

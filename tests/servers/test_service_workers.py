@@ -189,7 +189,8 @@ def test_a_worker_killed_mid_job_fails_the_run_on_both_servers_and_the_next_run_
     dep, summary, _, _, _, recs, *_ = run
     job = next(iter(summary["jobs"]))
     logs = {p: (dep.root / "logs" / f"server{p}.log").read_text(errors="replace").splitlines() for p in (0, 1)}
-    seam = [ln for ln in logs[0] if f"crash-test seam: SIGKILL of server0-w1 at {JOB_SEAM} (pass {KILL_AT_PROGRAM})" in ln]
+    line = f"crash-test seam: SIGKILL of server0-w1 at {JOB_SEAM} (pass {KILL_AT_PROGRAM})"
+    seam = [ln for ln in logs[0] if line in ln]
     assert len(seam) == 1, "\n".join(logs[0][-60:])
     lost = {p: [ln for ln in logs[p] if f"job {job}: run 1 lost its session" in ln] for p in (0, 1)}
     assert len(lost[0]) == 1 and len(lost[1]) == 1, lost
