@@ -46,29 +46,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from bench import common_options, progress
-from clients.metrics import Evaluator
 from clients.service_client import ServiceClient
 from clients.share_seeds import disk_traces, find_traces, seeded_shares
-from clients.simulator import build_federation
 from net import tls
 from common import wire
 from net.channel import ChannelError
-from common.encoding import decode, encode
 from common.offline_mode import DEFAULT_OFFLINE
-from common.service_config import AGGREGATORS, BRACE_CLIENTS, load_config, write_scratch_deployment
-from protocols.robust_aggregation import brace_sign
-from protocols.starfish import run_stage2
-from protocols.starfish.ports import History, history_prefix
-from lab.aggregators import BraceSign, FedSECA, replay_rule
+from common.service_config import AGGREGATORS, load_config, write_scratch_deployment
+from protocols.starfish.ports import History
 from lab.history import NpzHistory
-from lab.metrics import l2_distance
-from lab.recovery import FedRecover, Retrain
-from servers.secure.unlearning_jobs import starfish_params
 from starfish import runtime_demo
-from starfish.service_commands import federation_spec
+from starfish.demo_baselines import baselines, robust_twin_error
 
 __all__ = ["add_arguments", "main", "ProcessGroup"]
 
@@ -290,108 +280,6 @@ def _comm_table(meters0: dict, meters1: dict, two_party: bool = False) -> list[s
     return rows
 
 
-def _baselines(cfg: Any, full: History, rounds: int, n: int, target: int, model_2pc: Any,
-               quiet: bool = False, backdoor: str | None = None) -> tuple[list, dict]:
-    """Plaintext retrain, FedRecover and Starfish on the twin of the history the job read
-    (its first ``rounds`` rounds); metrics of every model and of the final M_T. With a robust
-    rule, also Starfish's plaintext FedAvg replay of the same history."""
-
-    spec = federation_spec(cfg, _sim_args(n, backdoor or str(target)))
-    fed = build_federation(spec)
-    twin = history_prefix(full, rounds)
-    tc = fed.clients[target]
-    evaluate = Evaluator(fed.factory, fed.data.x_test, fed.data.y_test, tc.clean_x, tc.clean_y,
-                         fed.trigger, spec.target_label)
-
-    class _Plain:
-        def exact_updates(self, r: int, model: torch.Tensor, ids: list[int]) -> dict:
-            return {j: fed.clients[j].train(model, r).update.to(torch.float64) for j in ids}
-
-    def bar(desc: str):
-        return progress.progress(None, desc, quiet=quiet, unit="round", leave=False)
-
-    t = time.perf_counter()
-    with bar("Starfish, plaintext twin") as b:
-        # the servers replay each round with the rule that made it; so does the twin
-        plain = run_stage2(None, twin, [target], starfish_params(cfg), _Plain(), progress=progress.callback(b),
-                           combine=replay_rule(_lab_rule(cfg.fl)))
-    t_plain = time.perf_counter() - t
-    with bar("retrain, plaintext") as b:   # with the rule FL used: what FL without the target gives
-        retrained, c_re = Retrain(aggregator=_lab_rule(cfg.fl)).unlearn(twin, [target], fed.clients,
-                                                                       progress=progress.callback(b))
-    with bar("FedRecover, plaintext") as b:
-        recovered, c_fr = FedRecover(buffer=cfg.unlearning.buffer, beta=cfg.unlearning.beta,
-                                     warmup=cfg.unlearning.buffer).unlearn(twin, [target], fed.clients,
-                                                                           progress=progress.callback(b))
-    fedavg_replay = None
-    if _lab_rule(cfg.fl) is not None:
-        with bar("Starfish, plaintext FedAvg replay") as b:
-            fedavg_replay = run_stage2(None, twin, [target], starfish_params(cfg), _Plain(),
-                                       progress=progress.callback(b)).model
-    m2pc = torch.from_numpy(np.asarray(model_2pc))
-    rows = [
-        (f"M_{rounds} (with client {target})", twin.model(twin.num_rounds), float("nan")),
-        ("Starfish, 2PC (the servers)", m2pc, None),
-        ("Starfish, plaintext twin", plain.model, t_plain),
-        *([("Starfish, FedAvg replay (plain)", fedavg_replay, float("nan"))] if fedavg_replay is not None else []),
-        ("retrain, plaintext", retrained, c_re.wall_time_s),
-        ("FedRecover, plaintext", recovered, c_fr.wall_time_s),
-        (f"M_{full.num_rounds}: {full.num_rounds - rounds - 1} FL rounds later", full.model(full.num_rounds),
-         float("nan")),
-    ]
-    table = []
-    for name, model, secs in rows:
-        m = evaluate(model.to(torch.float64))
-        table.append((name, m["ter"], m["ba_asr"], l2_distance(model, retrained), secs))
-    extra = {"plain_selected": plain.selected_rounds,
-             "max_abs_2pc_vs_plain": float((m2pc - plain.model.to(torch.float64)).abs().max())}
-    return table, extra
-
-
-def _lab_rule(fl: Any) -> FedSECA | BraceSign | None:
-    """The lab's plaintext rule for the deployment's aggregator (None: FedAvg), for retraining.
-
-    The lab's BRACE uses lambda = 5 K / 100 for K voters: the service's with the demo's default
-    ``brace_lambda`` (5).
-    """
-    if fl.aggregator == "fedseca":
-        return FedSECA(gamma=fl.fedseca_gamma, beta=fl.fedseca_beta)
-    if fl.aggregator == "brace-sign":
-        return BraceSign(lam=None, scale=fl.brace_scale, decay=fl.brace_decay)
-    return None
-
-
-def _robust_twin_error(cfg: Any, twin: History) -> float:
-    """Max |published M_i - M_{i-1} + eta d_i| over the FL rounds, d_i the deployment's robust rule
-    run in the clear on the clients' *decoded uploads* (what the servers' shares add up to):
-    FedSECA with its momentum (restarted after an unlearning round), or BRACE's vote with the step
-    of FL round t. Each round starts from the published M_{i-1}, so errors do not compound."""
-    fl = cfg.fl
-    seca = FedSECA(gamma=fl.fedseca_gamma, beta=fl.fedseca_beta)
-    brace = BraceSign(scale=fl.brace_scale, decay=fl.brace_decay)
-    worst, t = 0.0, 0
-    prev = twin.model(0).to(torch.float64)
-    for i in range(1, twin.num_rounds + 1):
-        model = twin.model(i).to(torch.float64)
-        parts = list(twin.participants(i))
-        if not parts:            # an unlearning round: the adopted model, no momentum step
-            seca.reset()
-            prev = model
-            continue
-        t += 1
-        rows = {j: torch.from_numpy(decode(encode(twin.update(i, j).numpy(), fl.precision), fl.precision))
-                for j in parts}
-        if fl.aggregator == "fedseca":
-            direction = seca.direction(rows, {})
-        else:
-            g = torch.stack([rows[j] for j in parts])
-            vote = brace_sign(g, lam=fl.brace_lambda * len(parts) / BRACE_CLIENTS)
-            direction = brace.step_scale(t) * vote
-        worst = max(worst, float((model - (prev - twin.server_lr * direction)).abs().max()))
-        prev = model
-    return worst
-
-
 #: server 0's log line for each robust round (``servers.daemon.round_coordinator``)
 _AGG_LINE = re.compile(r"round (\d+) aggregated by (\S+) in 2PC: (\d+) clients checked, (\d+) kept; "
                        r"online_bytes=(\d+) offline_bytes=(\d+) rounds=(\d+) seconds=([\d.]+)")
@@ -439,11 +327,6 @@ def _erasure_scan(cfg: Any, twin: History, target: int, control: int) -> tuple[i
             found[c] += len({path for path, _ in find_traces(cfg.data_dir(p), traces[p])})
     files = sum(len(files) for p in (0, 1) for _, _, files in os.walk(cfg.data_dir(p)))
     return found[target], found[control], files
-
-
-def _sim_args(n: int, backdoor: str) -> argparse.Namespace:
-    return argparse.Namespace(dataset=None, data_dir=None, n=n, seed=None, backdoor=backdoor,
-                              epochs=None, lr=None, train_limit=None)
 
 
 def _ranges(rounds: list[int]) -> str:
@@ -529,7 +412,7 @@ def run_service_demo(args: argparse.Namespace) -> int:
         res0, res1 = recs[0]["result"], recs[1]["result"]
         _say("[4/5] plaintext baselines on the twin history (retrain, FedRecover, Starfish)")
         twin = NpzHistory(work / "twin")
-        table, extra = _baselines(cfg, twin, res0["rounds"], args.clients, target, recs[0]["model"],
+        table, extra = baselines(cfg, twin, res0["rounds"], args.clients, target, recs[0]["model"],
                                   getattr(args, "quiet", False), backdoor)
         _say("[5/5] report\n")
         if aggregator == "fedavg":
@@ -537,7 +420,7 @@ def run_service_demo(args: argparse.Namespace) -> int:
                  f"{args.clients} clients, aggregator fedavg; every FL model equals plaintext FedAvg of "
                  f"the clients' updates within {summary['fedavg_max_abs_error']:.1e}")
         else:
-            robust_err = _robust_twin_error(cfg, twin)
+            robust_err = robust_twin_error(cfg, twin)
             _say(f"FL: {summary['T']} rounds ({summary['T'] - 1} FL rounds and 1 unlearning round), "
                  f"{args.clients} clients, aggregator {aggregator} (computed by the servers in 2PC); "
                  f"every FL model equals {aggregator} run in the clear on the decoded uploads within "
