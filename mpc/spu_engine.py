@@ -28,7 +28,6 @@ test, the window test, exact truncation and SecTC's test over all rows.
 
 from __future__ import annotations
 
-import functools
 import logging
 import multiprocessing as mp
 import os
@@ -45,7 +44,7 @@ from net.link import NO_LINK, LinkProfile
 from net.metering import KINDS, Meter
 from .engine_certificate import session_certificate
 from .spu_process import (CLOSE_GRACE, CLOSE_WAIT, PRODUCTS, RINGS, EngineError, engine_main, prog_ge0,
-                          prog_matmul, prog_matmul_elementwise, prog_mul, prog_trunc_pair, prog_positive, prog_rows_exceed, prog_window)
+                          prog_matmul, prog_mul, prog_trunc_pair, prog_positive, prog_rows_exceed, prog_window)
 from common.wire import pack, unpack_bounded
 
 __all__ = ["SpuEngine", "EnginePool", "EngineError"]
@@ -57,6 +56,10 @@ _BATCH = 1 << 20                 # elements per engine run of an elementwise op:
 _EXCEED_BATCH = 3 << 18
 #: matmuls up to this many scalar products run as one elementwise product (``SpuEngine.product``)
 _ELEMENTWISE_PRODUCTS = 1 << 15
+#: elementwise calls of up to this many elements are padded to one of four sizes per octave
+#: (``_padded_size``): the engine compiles a program per input shape (36-70 ms a party), and small
+#: calls come in many sizes (a round's uploads, a step's rows); larger ones repeat (full batches)
+_PAD_UP_TO = 1 << 16
 _START_TIMEOUT = 120.0           # seconds the engine process may take to start (imports jax, SPU)
 _POLL = 0.2                      # seconds between liveness checks while a call is in flight
 #: seconds a call may still answer after the peer closed the link or the session's channel (its
@@ -72,6 +75,22 @@ _PROBE_TIMEOUT = 10.0            # seconds a reused engine's barrier may take at
 #: ends on one side with a send the library makes asynchronously, and killing the engine at once
 #: lost it (the peer's last call of that session then failed; seen on CI as the engine pool's flake)
 _POOL_LINGER = 3.0
+
+
+def _padded_size(n: int, least: int = 16) -> int:
+    """n rounded up to one of four sizes per octave (at most 25% more; at least ``least``); n
+    itself above ``_PAD_UP_TO``."""
+    if n > _PAD_UP_TO:
+        return n
+    if n <= least:
+        return least
+    step = 1 << max(0, (n - 1).bit_length() - 3)
+    return -(-n // step) * step
+
+
+def _pad(x: np.ndarray, n: int) -> np.ndarray:
+    """1-D x with zeros appended up to length n (x itself when it has that length)."""
+    return x if x.size == n else np.concatenate([x, np.zeros(n - x.size, x.dtype)])
 
 
 def _scalar_products(a_shape: tuple, b_shape: tuple) -> int:
@@ -282,8 +301,18 @@ class SpuEngine:
         out = np.empty(n, dtype=np.int64)
         for off in range(0, n, _BATCH):
             part = [f[off : off + _BATCH] for f in flat]
-            out[off : off + part[0].size] = self.run(name, fn, part, kind=kind)[0]
+            out[off : off + part[0].size] = self._run_flat(name, fn, part, kind=kind)[0]
         return out.reshape(shape)
+
+    def _run_flat(self, name: str, fn: Callable, flat: list[np.ndarray], *, kind: str = "online",
+                  bits: int = 64) -> list[np.ndarray]:
+        """``run`` of an elementwise ``fn`` on 1-D inputs of one length, padded with shares of
+        zero to ``_padded_size`` (so programs are reused across lengths); the padding's outputs
+        are dropped, never opened."""
+        n = flat[0].size
+        size = _padded_size(n)
+        outs = self.run(name, fn, [_pad(np.asarray(f), size) for f in flat], kind=kind, bits=bits)
+        return [o[:n] for o in outs]
 
     def nonnegative(self, share: np.ndarray) -> np.ndarray:
         """Share of [x >= 0] (x read as a signed ring element), 0/1 in the ring."""
@@ -292,11 +321,19 @@ class SpuEngine:
         return self._elementwise("ge0", prog_ge0, share, np.zeros(np.shape(share), np.int64))
 
     def below_power_of_two(self, share: np.ndarray, k: int) -> np.ndarray:
-        """Share of [x < 2**k] with x read as unsigned (0 .. 2**64 - 1); 1 <= k <= 63."""
+        """Share of [x < 2**k] with x read as unsigned (0 .. 2**64 - 1); 1 <= k <= 63.
+
+        Unsigned x < 2**k iff signed x >= 0 and y = 2**k - 1 - x >= 0: for x >= 0, y lies in
+        (2**k - 2**63, 2**k - 1] and cannot wrap; for x < 0 the first test is 0 whatever y is.
+        y's shares are x's, negated, with party 0 adding 2**k - 1 (local), so the engine's
+        program does not depend on k; for k = 63 the second test is always true."""
         if share.size == 0:
             return np.zeros(np.shape(share), np.int64)
-        return self._elementwise(f"below{k}", functools.partial(prog_window, k), share,
-                                 np.zeros(np.shape(share), np.int64))
+        if k == 63:
+            return self.nonnegative(share)
+        x = np.ascontiguousarray(share, dtype=np.int64)
+        y = -x + np.int64((1 << k) - 1) if self.rank == 0 else -x
+        return self._elementwise("window", prog_window, x, y, np.zeros(np.shape(x), np.int64))
 
     def floor(self, share: np.ndarray, d: int) -> np.ndarray:
         """Share of floor(x / 2**d), exactly, for a signed ring element |x| < 2**62, 1 <= d <= 62.
@@ -349,8 +386,8 @@ class SpuEngine:
         carry_d, carry_63, wrap = (np.empty(r.size, np.int64) for _ in range(3))
         for off in range(0, r.size, _BATCH):
             part = slice(off, off + _BATCH)
-            outs = self.run("trunc-pair", prog_trunc_pair, [low_d[part], low_63[part], s[part],
-                                                            np.zeros(low_d[part].size, np.int64)], kind="offline")
+            outs = self._run_flat("trunc-pair", prog_trunc_pair, [low_d[part], low_63[part], s[part],
+                                                                  np.zeros(low_d[part].size, np.int64)], kind="offline")
             carry_d[part], carry_63[part], wrap[part] = outs
         top = msb + carry_63 - 2 * wrap
         high = ((u >> np.uint64(d)) + carry_d.view(np.uint64)
@@ -405,7 +442,8 @@ class SpuEngine:
                 hits += self.run("rows-exceed", prog_rows_exceed, [block, d[r0:r1], zero],
                                  bits=32)[0].view(np.uint32)
             if m > col_block:
-                hits = self.run("any-hit", prog_positive, [hits.view(np.int32), zero], bits=32)[0].view(np.uint32)
+                hits = self._run_flat("any-hit", prog_positive, [hits.view(np.int32), zero],
+                                      bits=32)[0].view(np.uint32)
             out[r0:r1] = hits.view(np.int32)
         return out
 
@@ -418,9 +456,9 @@ class SpuEngine:
         in flat batches: the engine's memory grows with a call (5.6 GB for (19, 582026, 2)).
 
         A small matmul (at most ``_ELEMENTWISE_PRODUCTS`` scalar products) is one elementwise
-        multiplication of the broadcast operands summed along the inner dimension: the library's
-        matrix product costs about 0.45 s a call however small (measured table: docs/protocols.md,
-        "Small products and truncations")."""
+        multiplication of the broadcast operands (the flat products' programs, reused) summed
+        along the inner dimension: the library's matrix product costs about 0.45 s a call however
+        small (measured table: docs/protocols.md, "Small products and truncations")."""
         a, b = np.asarray(a), np.asarray(b)
         if a.size == 0 or b.size == 0:   # nothing to compute (the engine would return a public value)
             shape = (np.matmul if op == "matmul" else np.multiply)(np.zeros(a.shape), np.zeros(b.shape)).shape
@@ -432,16 +470,25 @@ class SpuEngine:
             outs = [self.run("triple-matmul", prog_matmul, [a2[i], b2[i]], kind=kind)[0]
                     for i in range(a2.shape[0])]
             return np.stack(outs).reshape(*lead, *outs[0].shape)
-        if op == "matmul" and a.ndim >= 2 and b.ndim >= 2 and _scalar_products(a.shape, b.shape) <= _ELEMENTWISE_PRODUCTS:
-            return self.run("triple-matmul-ew", prog_matmul_elementwise, [a, b], kind=kind)[0]
-        if op == "mul" and a.shape == b.shape and a.size > _BATCH:
-            flat_a, flat_b = a.reshape(-1), b.reshape(-1)
-            out = np.empty(flat_a.size, dtype=np.int64)
-            for off in range(0, flat_a.size, _BATCH):
-                out[off : off + _BATCH] = self.run("triple-mul", prog_mul, [flat_a[off : off + _BATCH],
-                                                                             flat_b[off : off + _BATCH]],
-                                                   kind=kind)[0]
-            return out.reshape(a.shape)
+        if op == "matmul" and _scalar_products(a.shape if a.ndim > 1 else (1, *a.shape),
+                                               b.shape if b.ndim > 1 else (*b.shape, 1)) <= _ELEMENTWISE_PRODUCTS:
+            # the operands broadcast against each other locally (a share of a broadcast is the
+            # broadcast of a share), one flat product, the inner sum local (shares add mod 2**64);
+            # 1-D operands are promoted and the added axis dropped, as matmul does
+            a2 = a[None, :] if a.ndim == 1 else a
+            b2 = b[:, None] if b.ndim == 1 else b
+            x, y = np.broadcast_arrays(a2[..., :, :, None], b2[..., None, :, :])
+            out = self._elementwise("triple-mul", prog_mul, x, y, kind=kind).sum(axis=-2, dtype=np.int64)
+            if b.ndim == 1:
+                out = out[..., 0]
+            if a.ndim == 1:
+                out = out[..., 0, :] if b.ndim > 1 else out[..., 0]
+            return out
+        if op == "mul":
+            # broadcast here, not in the engine: the same products (one per output element), and
+            # flat batches whose programs repeat
+            a, b = np.broadcast_arrays(a, b)
+            return self._elementwise("triple-mul", prog_mul, a, b, kind=kind)
         return self.run(f"triple-{op}", PRODUCTS[op], [a, b], kind=kind)[0]
 
     # ------------------------------------------------------------------ life

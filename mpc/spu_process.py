@@ -29,7 +29,7 @@ import numpy as np
 from net.metering import KINDS, Meter
 
 __all__ = ["EngineError", "RINGS", "PRODUCTS", "engine_main", "prog_ge0", "prog_window", "prog_mul",
-           "prog_matmul", "prog_matmul_elementwise", "prog_trunc_pair", "prog_rows_exceed", "prog_positive"]
+           "prog_matmul", "prog_trunc_pair", "prog_rows_exceed", "prog_positive"]
 
 _CHUNK_BYTES = 1 << 26          # one SPU value chunk (64 MiB)
 _FRACTION_BITS = 16              # unused by our integer programs; SPU needs a value
@@ -62,12 +62,10 @@ def prog_ge0(x, z):
     return (x >= 0).astype(jnp.int64) + z
 
 
-def prog_window(k, x, z):
-    # unsigned x < 2**k iff signed x >= 0 and x < 2**k; for x >= 0 the second sign test cannot
-    # wrap, and for x < 0 the first is 0 whatever the second says; for k = 63 the first is all
-    if k == 63:
-        return (x >= 0).astype(jnp.int64) + z
-    return ((x >= 0) & (x < np.int64(1 << k))).astype(jnp.int64) + z
+def prog_window(x, y, z):
+    # two sign tests and their AND; y = 2**k - 1 - x (``SpuEngine.below_power_of_two``) is made
+    # from x locally, so one program serves every k
+    return ((x >= 0) & (y >= 0)).astype(jnp.int64) + z
 
 
 def prog_mul(a, b):
@@ -83,11 +81,6 @@ def prog_trunc_pair(u, v, s, z):
     # low 63 bits, and out of bit 63 (a full adder's carry: [m0 + m1 + c63 >= 2])
     c63 = (v >= 0).astype(jnp.int64)
     return (u >= 0).astype(jnp.int64) + z, c63 + z, (s + c63 >= 0).astype(jnp.int64) + z
-
-
-def prog_matmul_elementwise(a, b):
-    # a (..., i, k) @ b (..., k, j) as i x k x j products of one elementwise multiplication
-    return jnp.sum(a[..., :, :, None] * b[..., None, :, :], axis=-2)
 
 
 def prog_rows_exceed(y, thr, z):
