@@ -25,12 +25,13 @@ import torch
 from clients.metrics import Evaluator
 from clients.simulator import build_federation
 from common import wire
-from lab.aggregators import BraceSign, FedSECA, replay_rule
+from lab.aggregators import replay_rule
 from lab.history import NpzHistory
 from lab.recovery import Retrain
 from protocols.starfish import run_stage2
 from protocols.starfish.ports import history_prefix
 from servers.secure.unlearning_jobs import starfish_params
+from starfish.demo_baselines import lab_rule
 from starfish.service_commands import federation_spec
 from tests.helpers.service_harness import Deployment
 
@@ -67,13 +68,6 @@ def _model(rec) -> np.ndarray:
     return wire.decode_tensor(rec["model"], "model", ("<f8",), tuple(rec["model"]["shape"]))
 
 
-def _lab_rule(dep):
-    fl = dep.cfg.fl
-    if fl.aggregator == "brace-sign":
-        return BraceSign(scale=fl.brace_scale, decay=fl.brace_decay)
-    return FedSECA(gamma=fl.fedseca_gamma, beta=fl.fedseca_beta)
-
-
 def _check(run: dict) -> dict:
     dep, summary, recs = run["dep"], run["summary"], run["recs"]
     assert [r["state"] for r in recs] == ["done", "done"]
@@ -90,11 +84,11 @@ def _check(run: dict) -> dict:
             return {j: fed.clients[j].train(model, r).update.to(torch.float64) for j in ids}
 
     twin = history_prefix(NpzHistory(summary["twin_dir"]), res["rounds"])
-    plain = run_stage2(None, twin, [0], starfish_params(dep.cfg), Plain(), combine=replay_rule(_lab_rule(dep)))
+    plain = run_stage2(None, twin, [0], starfish_params(dep.cfg), Plain(), combine=replay_rule(lab_rule(dep.cfg.fl)))
     assert res["selected_rounds"] == plain.selected_rounds
     assert {int(k): v for k, v in res["flags"].items()} == plain.flags
     fedavg_replay = run_stage2(None, twin, [0], starfish_params(dep.cfg), Plain())   # before #28
-    retrained, _ = Retrain(aggregator=_lab_rule(dep)).unlearn(twin, [0], fed.clients)
+    retrained, _ = Retrain(aggregator=lab_rule(dep.cfg.fl)).unlearn(twin, [0], fed.clients)
     tc = fed.clients[0]
     evaluate = Evaluator(fed.factory, fed.data.x_test, fed.data.y_test, tc.clean_x, tc.clean_y,
                          fed.trigger, spec.target_label)
