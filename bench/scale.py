@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
-from protocols.starfish.shard_steps import BLOCK, TWO_PARTY_BLOCK
+from protocols.starfish.shard_steps import BLOCK, block_for
 
 from . import common_options
 from .report import machine_info, write_json
@@ -81,7 +81,7 @@ def fit(runs: list[dict]) -> dict[str, float]:
     b = float(np.dot(per_shard, [r["pair_bytes"] for r in runs]) / np.dot(per_shard, per_shard))
     c = float(np.dot(rows, [r["coordinator_bytes"] for r in runs]) / np.dot(rows, rows))
     held = np.array([r["N"] * r["D"] / r["K"] for r in runs], float)
-    batch = TWO_PARTY_BLOCK if runs[0]["offline"] == "two-party" else BLOCK     # shard_steps.batch_values
+    batch = block_for(runs[0]["offline"])
     mem = np.vstack([np.ones_like(held), held, np.minimum(held, batch)]).T
     m0, m, q = np.linalg.lstsq(mem, np.array([r["worker_peak_mib"] for r in runs]), rcond=None)[0]
     # both servers' workers share the calibration machine's cores

@@ -27,7 +27,7 @@ from .update_estimation import HvpCoefficients, hvp_apply, hvp_sums
 
 __all__ = ["Ref", "share_of", "wrap", "sub_program", "weighted_program", "rescale_program", "open_program",
            "hvp_sums_program", "hvp_apply_program", "counts_program", "inner_program", "curvature_program",
-           "BLOCK", "TWO_PARTY_BLOCK", "batch_values", "row_chunks"]
+           "BLOCK", "TWO_PARTY_BLOCK", "block_for", "batch_values", "row_chunks"]
 
 #: (name, row): the named share at a worker, or its row ``row``
 Ref = tuple[str, "int | None"]
@@ -107,9 +107,15 @@ BLOCK = 1 << 21
 TWO_PARTY_BLOCK = 1 << 18
 
 
+def block_for(offline: Any, block: int = BLOCK) -> int:
+    """The values per 2PC batch in mode ``offline``: ``block``, at most ``TWO_PARTY_BLOCK`` in
+    two-party mode (the engine's memory follows a call's size)."""
+    return min(block, TWO_PARTY_BLOCK) if offline == OfflineMode.TWO_PARTY else block
+
+
 def batch_values(party: Any, block: int) -> int:
-    """The values per 2PC batch this pair uses: ``block``, at most ``TWO_PARTY_BLOCK`` in two-party mode."""
-    return min(block, TWO_PARTY_BLOCK) if getattr(party, "offline", None) is OfflineMode.TWO_PARTY else block
+    """The values per 2PC batch this pair uses (``block_for`` its party's mode)."""
+    return block_for(getattr(party, "offline", None), block)
 
 
 def row_chunks(rows: int, per_row: int, block: int) -> list[tuple[int, int]]:

@@ -147,8 +147,10 @@ def test_batch_values_caps_the_two_party_batch_only(block, mode):
     from types import SimpleNamespace
 
     from common.offline_mode import OfflineMode
-    from protocols.starfish.shard_steps import TWO_PARTY_BLOCK, batch_values
+    from protocols.starfish.shard_steps import TWO_PARTY_BLOCK, batch_values, block_for
 
     party = None if mode is None else SimpleNamespace(offline=OfflineMode.of(mode))
     want = min(block, TWO_PARTY_BLOCK) if mode == "two-party" else block
     assert batch_values(party, block) == want
+    # the scale model's form of the same rule: a mode as written in a benchmark's JSON
+    assert block_for(mode, block) == want
