@@ -50,7 +50,7 @@ _engine_pool = None
 
 
 def shared_engine_pool():
-    """The process's two-party engine pool (``mpc.spu_engine.EnginePool``), made on first use and
+    """The process's two-party engine pool (``mpc.engine_pool.EnginePool``), made on first use and
     closed when the process exits. Why process-wide: a server daemon runs its 2PC sessions one
     after another (FL rounds' range checks, robust aggregation, unlearning jobs), and an engine
     start (about 10 s: jax and SPU imports, TLS, CHEETAH's OT set-up) would otherwise be paid by
@@ -59,7 +59,7 @@ def shared_engine_pool():
     if _engine_pool is None:
         import atexit
 
-        from .spu_engine import EnginePool  # imports nothing of SPU: the engine process does
+        from .engine_pool import EnginePool  # imports nothing of SPU: the engine process does
 
         _engine_pool = EnginePool()
         atexit.register(_engine_pool.close)   # before multiprocessing joins the engine processes
@@ -160,7 +160,7 @@ def open_party(
     its mode). ``insecure_tfp``: make them with CrypTen's trusted-first-party provider instead,
     so that party 0 knows every triple: for unit tests only, no daemon sets it.
 
-    ``engine_pool`` (two-party mode): borrow the engine from this ``mpc.spu_engine.EnginePool``
+    ``engine_pool`` (two-party mode): borrow the engine from this ``mpc.engine_pool.EnginePool``
     (both parties must pass one; ``shared_engine_pool()`` in a daemon) instead of starting one for
     this session; ``Party.close`` gives it back.
 

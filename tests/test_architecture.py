@@ -199,7 +199,7 @@ def test_only_the_engine_seam_imports_spu_or_jax():
 def test_no_server_process_loads_spu():
     """A dealer-mode session never loads SPU or jax, and neither does a two-party session's
     server process: the engine's proxy (``mpc.spu_engine``) leaves both to its child process."""
-    code = ("import sys, mpc.session, mpc.launcher, mpc.spu_engine, protocols, protocols.starfish.stage2; "
+    code = ("import sys, mpc.session, mpc.launcher, mpc.spu_engine, mpc.engine_pool, protocols, protocols.starfish.stage2; "
             "print(sorted(m for m in ('spu', 'jax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

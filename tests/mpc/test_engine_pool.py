@@ -1,4 +1,4 @@
-"""The two-party engine pool (``mpc.spu_engine.EnginePool``): one engine per peer pair across
+"""The two-party engine pool (``mpc.engine_pool.EnginePool``): one engine per peer pair across
 sessions, a dead peer noticed fast, a fresh engine for the next session.
 
 Both parties run one program (``run_parties`` with the test-only TFP provider, so that the
@@ -38,7 +38,8 @@ def _sign(engine, x0, x1, rank):
 
 
 def pool_program(party, x0, x1):
-    from mpc.spu_engine import EngineError, EnginePool
+    from mpc.engine_pool import EnginePool
+    from mpc.spu_engine import EngineError
 
     pool = EnginePool()
     rank = party.rank
@@ -125,7 +126,8 @@ def orphan_program(party, path):
     """Party 1 records its pooled engine's process id and dies (SIGKILL: no atexit, no pool
     close) 3 s into a long engine call, so that its engine is busy inside the library and does
     not read the pipe's end; party 0's call then fails (its peer is gone)."""
-    from mpc.spu_engine import EngineError, EnginePool
+    from mpc.engine_pool import EnginePool
+    from mpc.spu_engine import EngineError
 
     pool = EnginePool()
     e = pool.engine(party.rank, party.channel, party.metering, timeout=TIMEOUT)
