@@ -15,19 +15,23 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common.offline_mode import OFFLINE_CHOICES, OfflineMode
+
 from .profiles import READINGS, SHAPING_MODES, NetworkProfile, resolve
 
 DEFAULT_PROFILE = "lan"
 PROFILES = ("lan", "wan", "none", "custom")
-OFFLINE_MODES = ("dealer", "two-party")
-DEFAULT_OFFLINE = "dealer"
+#: the offline modes a bench accepts (the deployment's own, ``common.offline_mode``); a bench's
+#: default is the dealer, the faster mode, where the service's is two-party
+OFFLINE_MODES = OFFLINE_CHOICES
+DEFAULT_OFFLINE = OfflineMode.DEALER.value
 DEFAULT_SEED = 0
 
 PROFILE_HELP = (f"link profile of the server link and the dealer link (default {DEFAULT_PROFILE}): lan = 0.17 ms "
                 "round trip, 1 Gbit/s; wan = 72 ms round trip, 100 Mbit/s; none = loopback; custom = "
                 "--latency-ms/--bandwidth-mbps (either alone implies custom)")
-MODES_HELP = ("dealer = a third process makes the correlated randomness (the service's default); two-party = "
-              "no dealer, the two servers make it between themselves (mpc/spu_engine.py)")
+MODES_HELP = ("dealer = a third process makes the correlated randomness; two-party = no dealer, the two "
+              "servers make it between themselves (mpc/spu_engine.py; the service's default)")
 OFFLINE_HELP = f"where the correlated randomness comes from (default {DEFAULT_OFFLINE}): {MODES_HELP}"
 _TFP_HELP = "; tfp = CrypTen's trusted first party (insecure: party 0 knows every triple), a reference only"
 QUIET_HELP = ("no progress bars and no status lines on stderr (bars are drawn only when stderr is a "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["OfflineMode", "DEFAULT_OFFLINE"]
+__all__ = ["OfflineMode", "DEFAULT_OFFLINE", "OFFLINE_CHOICES"]
 
 
 class OfflineMode(StrEnum):
@@ -34,3 +34,6 @@ class OfflineMode(StrEnum):
 #: what a deployment config without ``[deployment] offline``, ``starfish init-deployment`` and
 #: ``starfish demo`` use
 DEFAULT_OFFLINE = OfflineMode.TWO_PARTY
+
+#: the spellings a command line accepts, in the enum's order
+OFFLINE_CHOICES = tuple(m.value for m in OfflineMode)

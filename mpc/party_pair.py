@@ -12,7 +12,9 @@ costs only its own protocol rounds.
 run the calls in the same order. If a call raises in a party, the pair is closed (the other
 party may be stuck waiting for a message) and the error is raised as :class:`PartyError`; the
 next :meth:`call` starts a fresh session. Each call is metered as one step, returned by
-:meth:`call_metered`.
+:meth:`call_metered`. ``run_parties`` bounds a session's life at four times its ``timeout``, so
+a pair older than ``max_age`` (default twice the timeout) starts a fresh session before its next
+call: a pair may be kept as long as its user likes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -60,10 +63,15 @@ def _serve(party: Any, inbox: Any, outbox: Any) -> int:
 class PartyPair:
     """Two parties (and a dealer) kept alive across calls; see the module docstring."""
 
-    def __init__(self, *, timeout: float = 120.0, **options: Any) -> None:
-        """``options``: ``run_parties``' keywords (``offline=``, ``insecure_tfp=``, ``link=``, ...)."""
+    def __init__(self, *, timeout: float = 120.0, max_age: float | None = None, **options: Any) -> None:
+        """``options``: ``run_parties``' keywords (``offline=``, ``insecure_tfp=``, ``link=``, ...);
+        ``max_age``: seconds after which the next call starts a fresh session (< 4 x timeout)."""
         self.timeout = timeout
+        self.max_age = 2 * timeout if max_age is None else max_age
+        if not 0 < self.max_age < 4 * timeout:
+            raise ValueError(f"max_age must be in (0, 4 x timeout = {4 * timeout:.0f}) s, got {self.max_age}")
         self.options = options
+        self._started = 0.0
         self._thread: threading.Thread | None = None
         self._boxes: tuple[Any, Any, Any, Any] | None = None
         self._outcome: list[PartyResults | BaseException] = []
@@ -74,6 +82,7 @@ class PartyPair:
         in0, in1, out0, out1 = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
         self._boxes = (in0, in1, out0, out1)
         self._outcome = []
+        self._started = time.monotonic()
 
         def run() -> None:
             try:
@@ -108,6 +117,8 @@ class PartyPair:
     def call_metered(self, fn: Callable, *args: Any, **kwargs: Any) -> tuple[list[Any], list[dict]]:
         """Both parties' values and both meters of this call (online/offline bytes, rounds; under
         ``"steps"`` the steps the program metered for the first time in this call)."""
+        if self._boxes is not None and time.monotonic() - self._started > self.max_age:
+            self.close()
         if self._boxes is None:
             self.start()
         in0, in1, out0, out1 = self._boxes

@@ -53,7 +53,7 @@ from clients.share_seeds import disk_traces, find_traces, seeded_shares
 from net import tls
 from common import wire
 from net.channel import ChannelError
-from common.offline_mode import DEFAULT_OFFLINE
+from common.offline_mode import DEFAULT_OFFLINE, OFFLINE_CHOICES
 from common.service_config import AGGREGATORS, load_config, write_scratch_deployment
 from protocols.starfish.ports import History
 from lab.history import NpzHistory
@@ -114,7 +114,7 @@ def _terminate(procs: list[subprocess.Popen], grace: float) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", action="store_true", help="the 2PC runtime demo instead of the service")
-    p.add_argument("--offline", choices=("dealer", "two-party"), default=DEFAULT_OFFLINE.value,
+    p.add_argument("--offline", choices=OFFLINE_CHOICES, default=DEFAULT_OFFLINE.value,
                    help="where correlated randomness comes from: nobody (two-party, the default: the "
                         "two servers make it between themselves, no third process) or a dealer process "
                         "(faster, but a third party to trust)")

@@ -29,7 +29,7 @@ from clients.service_client import ServiceClient, ServiceError
 from net import tls
 from common import wire
 from net.channel import ChannelError
-from common.offline_mode import DEFAULT_OFFLINE
+from common.offline_mode import DEFAULT_OFFLINE, OFFLINE_CHOICES
 from common.service_config import SCRATCH_CA_DIR, ConfigError, load_config, write_scratch_deployment
 
 __all__ = ["add_commands"]
@@ -582,7 +582,7 @@ def add_commands(sub: Any) -> None:
     i.add_argument("--clients", type=int, default=20, help="client certificates and clients_expected (20)")
     i.add_argument("--rounds", type=int, default=40, help="FL rounds (40)")
     i.add_argument("--deadline", type=float, metavar="S", help="round deadline in seconds (60)")
-    i.add_argument("--offline", choices=("dealer", "two-party"), default=DEFAULT_OFFLINE.value,
+    i.add_argument("--offline", choices=OFFLINE_CHOICES, default=DEFAULT_OFFLINE.value,
                    help="[deployment] offline: two-party (default: no dealer, the servers make the "
                         "correlated randomness themselves) or dealer (faster; run `starfish dealer` too)")
     i.set_defaults(func=cmd_init_deployment)

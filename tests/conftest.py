@@ -76,19 +76,53 @@ settings.register_profile("thorough", max_examples=400, **_COMMON)
 settings.load_profile("default")
 
 
+#: the shared sessions' message timeout: the longest any module's calls need (FedSECA's
+#: two-party program waits minutes for a peer's engine); their age bound is PartyPair's default
+_SHARED_TIMEOUT = 300.0
+
+
+@pytest.fixture(scope="session")
+def _sessions():
+    """One session per offline mode for the whole test process, made on first use: a two-party
+    session's engine start and the programs its engine compiled are paid once per xdist worker,
+    not once per module (the suite's time, issue 24). A call that fails closes the session and
+    the next call starts a fresh one (``PartyPair``), so a module cannot leave it broken."""
+    made: dict[str, PartyPair] = {}
+    yield made
+    for p in made.values():
+        p.close()
+
+
+def shared_session(sessions: dict, offline: str) -> PartyPair:
+    p = sessions.get(offline)
+    if p is None:
+        p = sessions[offline] = PartyPair(offline=offline, timeout=_SHARED_TIMEOUT)
+    return p
+
+
+@pytest.fixture(scope="session")
+def session_of(_sessions):
+    """``session_of(offline)``: the worker's shared session of that mode."""
+    return lambda offline: shared_session(_sessions, offline)
+
+
 @pytest.fixture(scope="module")
-def pair():
-    """Two parties and a dealer, alive for the whole test module (``pair.call(fn, *args)``)."""
-    with PartyPair(timeout=120.0) as p:
-        yield p
+def pair(_sessions):
+    """Two parties and a dealer (``pair.call(fn, *args)``), shared by the modules of a worker."""
+    return shared_session(_sessions, "dealer")
+
+
+@pytest.fixture(scope="module")
+def two_party_pair(_sessions):
+    """Two parties without a dealer (the two-party engine), shared by the modules of a worker."""
+    return shared_session(_sessions, "two-party")
 
 
 @pytest.fixture(scope="module", params=["dealer", "two-party"])
-def pair_in_each_mode(request):
+def pair_in_each_mode(request, _sessions):
     """As ``pair``, once per offline mode (the dealer's correlations, then the two-party engine's):
-    a module's tests run over both modes with one session each."""
-    with PartyPair(offline=request.param, timeout=120.0) as p:
-        yield p
+    a module's tests run over both modes."""
+    return shared_session(_sessions, request.param)
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -12,7 +12,6 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from mpc.party_pair import PartyPair
 from mpc.spu_engine import _ELEMENTWISE_PRODUCTS, _scalar_products
 from tests.helpers.engine_correlation_programs import engine_matmuls, engine_truncation_pairs, provider_pairs
 
@@ -20,9 +19,8 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def tp():
-    with PartyPair(offline="two-party", timeout=120.0) as p:
-        yield p
+def tp(two_party_pair):
+    return two_party_pair
 
 
 def _ring_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:

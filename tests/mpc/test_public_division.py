@@ -24,7 +24,6 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from mpc.party_pair import PartyPair
 from mpc.public_division import MAX_DIVISOR, RANGE_BITS, divide_share, error_bound, plan
 from tests.helpers.crypten_conformance_programs import divide_ring
 from tests.helpers.ring_shares import split
@@ -98,9 +97,8 @@ def test_division_by_zero_and_out_of_range_divisors_are_refused():
 
 # ============================================================================ 2. in 2PC, both modes
 @pytest.fixture(scope="module", params=["dealer", "two-party"])
-def session(request):
-    with PartyPair(offline=request.param, timeout=120.0) as pair:
-        yield request.param, pair
+def session(request, session_of):
+    return request.param, session_of(request.param)
 
 
 def _shares(xs, seed):

@@ -176,15 +176,13 @@ def test_negative_bounded_cost_per_element(pair):
     assert rounds == 9
 
 
-def test_negative_bounded_falls_back_in_two_party_mode():
+def test_negative_bounded_falls_back_in_two_party_mode(two_party_pair):
     """Without a dealer there are no tables: the 64-bit sign test gives the same bits."""
-    from mpc.party_pair import PartyPair
-
+    tp = two_party_pair
     rng = np.random.default_rng(8)
     x = np.concatenate([np.array(EDGES, dtype=np.int64), rng.integers(-BOUND, BOUND, size=70, dtype=np.int64)])
-    with PartyPair(offline="two-party", timeout=120.0) as tp:
-        assert list(tp.call(tcp.supported)) == [False, False]
-        r0, r1 = tp.call(tcp.negatives, [split(x, "uniform", rng), split(x, "min", rng)])
+    assert list(tp.call(tcp.supported)) == [False, False]
+    r0, r1 = tp.call(tcp.negatives, [split(x, "uniform", rng), split(x, "min", rng)])
     for (got, shape, _, _), (got1, _, _, _) in zip(r0, r1):
         np.testing.assert_array_equal(got, got1)
         assert shape == x.shape

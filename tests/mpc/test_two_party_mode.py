@@ -41,7 +41,6 @@ import mpc.launcher as launcher
 from net.link import LinkProfile
 from mpc.launcher import PartyError, run_parties
 from mpc.crypten_compat import crypten
-from mpc.party_pair import PartyPair
 from tests.helpers.ring_shares import HI, LO, MASKS, recon, split
 from tests.protocols import test_upload_range as dealer_upload
 
@@ -188,10 +187,9 @@ def primitives_program(party, batch: dict) -> dict:
 
 # ============================================================================ fixture
 @pytest.fixture(scope="module")
-def tp():
-    """One two-party (dealer-free) session for the module's calls."""
-    with PartyPair(offline="two-party", timeout=120.0) as p:
-        yield p
+def tp(two_party_pair):
+    """The worker's two-party (dealer-free) session (tests/conftest.py)."""
+    return two_party_pair
 
 
 def _fail_with_tracebacks(exc: PartyError):

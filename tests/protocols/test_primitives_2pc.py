@@ -20,7 +20,6 @@ import torch
 
 from mpc.launcher import PartyError
 from mpc.crypten_compat import crypten
-from mpc.party_pair import PartyPair
 from protocols import backend
 from protocols.compare import compare_exchange, ge, ge_ratio, select
 from protocols.division import divide, reciprocal
@@ -36,10 +35,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module", params=["dealer", "two-party"])
-def session(request):
+def session(request, session_of):
     """(offline mode, one session of that mode kept for the module)."""
-    with PartyPair(offline=request.param, timeout=120.0) as pair:
-        yield request.param, pair
+    return request.param, session_of(request.param)
 
 
 def call(session, fn, *args):

@@ -382,14 +382,11 @@ def test_fedseca_2pc_matches_twin(pair):
     _assert_fedseca_matches_twin(cases, *pair.call(rap.fedseca_cases, cases))
 
 
-def test_fedseca_2pc_matches_twin_in_two_party_mode():
+def test_fedseca_2pc_matches_twin_in_two_party_mode(two_party_pair):
     """The same program without a dealer (the engine's sign tests and products), on a few of the
     same kinds of cases (wide magnitudes, ties and zeros, a scaled client, one-unit values)."""
-    from mpc.party_pair import PartyPair
-
     cases = _random_cases(11, 4, max_k=5, max_d=6, max_enc=1 << 30)
-    with PartyPair(offline="two-party", timeout=300.0) as tp:
-        _assert_fedseca_matches_twin(cases, *tp.call(rap.fedseca_cases, cases))
+    _assert_fedseca_matches_twin(cases, *two_party_pair.call(rap.fedseca_cases, cases))
 
 
 def _assert_fedseca_matches_twin(cases: list, out0: list, out1: list) -> None:
