@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from common.gc_pause import collector_paused
 from net.metering import KINDS, Meter
 
 __all__ = ["EngineError", "RINGS", "PRODUCTS", "engine_main", "prog_ge0", "prog_window", "prog_mul",
@@ -111,13 +112,14 @@ class _Engine:
     def __init__(self, params: dict, peer_gone=None):
         global jnp
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        import jax
+        with collector_paused():
+            import jax
 
-        jax.config.update("jax_enable_x64", True)
-        import jax.numpy as _jnp
-        import spu
-        import spu.libspu as libspu
-        from spu.utils import frontend
+            jax.config.update("jax_enable_x64", True)
+            import jax.numpy as _jnp
+            import spu
+            import spu.libspu as libspu
+            from spu.utils import frontend
 
         from .metered_relay import RelayPair
 

@@ -13,6 +13,7 @@ import importlib
 import sys
 from typing import Any
 
+from common.gc_pause import collector_paused
 from starfish import key_commands, service_commands
 
 #: command -> (help, module, name of its entry point); the module has ``add_arguments(parser)``
@@ -49,7 +50,8 @@ _BENCH: dict[str, tuple[str, str, str]] = {
 
 def _entry(module: str, attr: str) -> Any:
     def run(args: argparse.Namespace) -> Any:
-        fn = getattr(importlib.import_module(module), attr)
+        with collector_paused():
+            fn = getattr(importlib.import_module(module), attr)
         return fn(args) if attr == "run" else fn(args=args)
     return run
 
@@ -60,7 +62,9 @@ def _lazy(sub: Any, name: str, spec: tuple[str, str, str], populate: bool) -> No
     p = sub.add_parser(name, help=help_text, description=help_text)
     p.set_defaults(func=_entry(module, attr))
     if populate:
-        importlib.import_module(module).add_arguments(p)
+        with collector_paused():
+            module_obj = importlib.import_module(module)
+        module_obj.add_arguments(p)
 
 
 def _selected(argv: list[str]) -> list[str]:

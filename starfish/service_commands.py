@@ -29,6 +29,7 @@ from clients.service_client import ServiceClient, ServiceError
 from net import tls
 from common import wire
 from net.channel import ChannelError
+from common.gc_pause import collector_paused
 from common.offline_mode import DEFAULT_OFFLINE, OFFLINE_CHOICES
 from common.service_config import SCRATCH_CA_DIR, ConfigError, load_config, write_scratch_deployment
 
@@ -103,11 +104,12 @@ def _fail(command: str, what: object, rc: int = 2, exc: BaseException | None = N
 def cmd_server(args: argparse.Namespace) -> int:
     cfg = _config(args)
     _logging(args.log_level)
-    import torch
+    with collector_paused():
+        import torch
 
-    from clients.initial_model import initial_model, model_layout
-    from net.listening import ListenError
-    from servers.daemon.server_daemon import ServerDaemon, StartupError, install_crash_points
+        from clients.initial_model import initial_model, model_layout
+        from net.listening import ListenError
+        from servers.daemon.server_daemon import ServerDaemon, StartupError, install_crash_points
 
     torch.set_num_threads(1)
     install_crash_points(os.environ.get("STARFISH_CRASH_AT"))
@@ -140,8 +142,9 @@ def cmd_dealer(args: argparse.Namespace) -> int:
         print("starfish dealer: this deployment runs in two-party mode ([deployment] offline = "
               "\"two-party\"): it has no dealer, and none must run", file=sys.stderr)
         return 2
-    from net.listening import ListenError
-    from servers.dealer_daemon import run_dealer
+    with collector_paused():
+        from net.listening import ListenError
+        from servers.dealer_daemon import run_dealer
 
     stop = threading.Event()
     _on_signals(stop.set)
@@ -182,10 +185,12 @@ def federation_spec(cfg: Any, args: argparse.Namespace) -> Any:
 def cmd_clients(args: argparse.Namespace) -> int:
     cfg = _config(args)
     _logging(args.log_level)
-    import torch
+    with collector_paused():
+        import torch
 
-    from clients.simulator import Simulator, build_federation, parse_unlearn, write_summary
-    from lab.history import NpzTwinRecorder
+        from clients.simulator import Simulator, build_federation, parse_unlearn, write_summary
+        from lab.experiment import DATASET_DEFAULTS  # noqa: F401  (federation_spec's, under the pause)
+        from lab.history import NpzTwinRecorder
 
     torch.set_num_threads(1)
     try:
