@@ -1,5 +1,5 @@
-"""Shared fixtures: hypothesis profiles and one long-lived two-party session per test module;
-the order in which the two workers take the test files.
+"""Shared fixtures: hypothesis profiles and one long-lived 2PC session per offline mode for a test
+worker (borrowed by its modules); the order in which the two workers take the test files.
 
 Profiles: ``default`` keeps the suite inside its time budget; ``thorough`` (select with
 ``pytest --hypothesis-profile=thorough``) runs many more examples. Examples are derived from
