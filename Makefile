@@ -21,9 +21,10 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/starfish demo
 
-# two workers, each taking whole modules (a module's shared session stays in one worker):
-# 654 s on 2 cores at 5ebacc2 where three workers took 697 s (earlier: 735 s with two, 684 s
-# with three and 771 s with four); the heaviest modules first (tests/conftest.py)
+# two workers, each taking whole modules (the 2PC sessions a worker shares stay in one process):
+# 532 s on 2 cores on a fresh clone at e1532e7; three workers took 697 s where two took 654 s at
+# 5ebacc2 (earlier: 735 s with two, 684 s with three and 771 s with four); the heaviest modules
+# first (tests/conftest.py)
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
