@@ -169,10 +169,13 @@ def hvp_apply_program(party, worker, out: str, y_refs: list, y_bits: int, stored
 def counts_program(party, worker, refs: list, bits: int, thresholds: tuple[np.ndarray, int],
                    block: int = BLOCK) -> np.ndarray:
     """SecTC's per-row count of coordinates at or above the threshold on this shard (a share),
-    rescaled and compared ``block`` values at a time."""
+    rescaled and compared ``block`` values at a time. ``refs``: a list of client rows (no rows:
+    no counts), or one reference to a whole array."""
     d, d_bits = thresholds
     block = batch_values(party, block)
     rows = _rows(refs)
+    if isinstance(refs, list) and not refs:
+        return np.zeros(0, dtype=np.int64)
     if not rows:
         with party.meter("TC"):
             x = B.rescale(wrap(_stacked(worker, refs), bits))

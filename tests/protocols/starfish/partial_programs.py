@@ -185,3 +185,19 @@ def stage2_on_shares(party, m0: np.ndarray, server_lr: float, rounds: list[dict]
             "candidate_rounds": res.candidate_rounds, "flags": res.flags,
             "exact_requests": res.exact_requests, "warmup_steps": res.warmup_steps,
             "estimated_updates": res.estimated_updates}
+
+
+def shard_exceed_counts(party, x_shares: tuple, d_shares: tuple, k: int, block: int) -> np.ndarray:
+    """SecTC's counts (``shard_steps.counts_program``) on ``k`` coordinate slices of this party's
+    share of x (rows, m) with one threshold per row, both at 16 fractional bits; each slice's
+    count shares added as a coordinator adds them, then opened."""
+    from protocols.starfish import shard_steps as steps
+    from tests.helpers.shard_slices import SliceShards
+
+    x, d = x_shares[party.rank], d_shares[party.rank]
+    slices = SliceShards(party, x.shape[-1], k)
+    slices.scatter("x", x)
+    refs = [("x", r) for r in range(x.shape[0])]
+    counts = slices.run(steps.counts_program, refs, 16, (d, 16), block)
+    total = np.sum(np.stack(counts), axis=0, dtype=np.int64)
+    return steps.wrap(total, 0).get_plain_text().numpy() if total.size else total
