@@ -101,3 +101,16 @@ def sign_test_ring(party, share0, share1):
     with party.meter("sign"):
         bit = nonnegative(x)
     return bit.reveal().numpy().copy(), list(bit.share.shape)
+
+
+def pid_and_product(party, a: float, b: float):
+    """This party's process id and the opened product a * b (a 2PC multiplication)."""
+    x = crypten.cryptensor(torch.tensor([a], dtype=torch.float64), src=0)
+    y = crypten.cryptensor(torch.tensor([b], dtype=torch.float64), src=1)
+    return os.getpid(), float((x * y).get_plain_text().item())
+
+
+def fail_in_party_1(party):
+    if party.rank == 1:
+        raise RuntimeError("on purpose")
+    return os.getpid()
