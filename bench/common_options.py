@@ -21,9 +21,8 @@ from .profiles import READINGS, SHAPING_MODES, NetworkProfile, resolve
 
 DEFAULT_PROFILE = "lan"
 PROFILES = ("lan", "wan", "none", "custom")
-#: the offline modes a bench accepts (the deployment's own, ``common.offline_mode``); a bench's
+#: a bench accepts the deployment's offline modes (``common.offline_mode.OFFLINE_CHOICES``); its
 #: default is the dealer, the faster mode, where the service's is two-party
-OFFLINE_MODES = OFFLINE_CHOICES
 DEFAULT_OFFLINE = OfflineMode.DEALER.value
 DEFAULT_SEED = 0
 
@@ -38,7 +37,7 @@ QUIET_HELP = ("no progress bars and no status lines on stderr (bars are drawn on
               "terminal; tables, JSON and errors are unaffected)")
 
 __all__ = ["add_profile", "profile_of", "add_offline", "add_quiet", "add_out", "add_seed", "refuse",
-           "DEFAULT_PROFILE", "PROFILES", "OFFLINE_MODES", "DEFAULT_OFFLINE", "DEFAULT_SEED",
+           "DEFAULT_PROFILE", "PROFILES", "DEFAULT_OFFLINE", "DEFAULT_SEED",
            "PROFILE_HELP", "MODES_HELP", "OFFLINE_HELP", "QUIET_HELP"]
 
 
@@ -90,9 +89,9 @@ def add_offline(p, *, several: str | None = None, tfp: bool = False) -> None:
     comma list of modes the bench measures side by side (``args.offline`` a list); ``tfp``
     also accepts the insecure reference provider."""
     if several is None:
-        p.add_argument("--offline", choices=list(OFFLINE_MODES), default=DEFAULT_OFFLINE, help=OFFLINE_HELP)
+        p.add_argument("--offline", choices=list(OFFLINE_CHOICES), default=DEFAULT_OFFLINE, help=OFFLINE_HELP)
         return
-    allowed = OFFLINE_MODES + (("tfp",) if tfp else ())
+    allowed = OFFLINE_CHOICES + (("tfp",) if tfp else ())
     p.add_argument("--offline", type=_modes(allowed), default=several, metavar="MODE[,MODE]",
                    help=f"comma list of where the correlated randomness comes from, each measured in turn "
                         f"(default {several}): {MODES_HELP}{_TFP_HELP if tfp else ''}")
