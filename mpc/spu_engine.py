@@ -54,6 +54,9 @@ _BATCH = 1 << 20                 # elements per engine run of an elementwise op:
 #: coordinates per engine call of SecTC's test (all rows x some columns); the engine peaked at
 #: about 2.6 GB for 800,000 of them, and a server's party and engine together stay below 6 GiB
 _EXCEED_BATCH = 3 << 18
+#: rows of a 2-D matmul's left operand per engine call, times its columns: the engine peaked at
+#: 2.07 GB for (582,026 x 38) @ (38 x 1), a replayed round's folded estimate (issue 26)
+_MATMUL_ELEMENTS = 1 << 25
 #: matmuls up to this many scalar products run as one elementwise product (``SpuEngine.product``)
 _ELEMENTWISE_PRODUCTS = 1 << 15
 #: elementwise calls of up to this many elements are padded to one of four sizes per octave
@@ -475,6 +478,11 @@ class SpuEngine:
             if a.ndim == 1:
                 out = out[..., 0, :] if b.ndim > 1 else out[..., 0]
             return out
+        if op == "matmul" and a.ndim == 2 and a.size > _MATMUL_ELEMENTS:
+            # rows of the output are independent: the left operand in blocks of rows
+            rows = max(1, _MATMUL_ELEMENTS // a.shape[1])
+            return np.concatenate([self.run("triple-matmul", prog_matmul, [a[r : r + rows], b], kind=kind)[0]
+                                   for r in range(0, a.shape[0], rows)])
         if op == "mul":
             # broadcast here, not in the engine: the same products (one per output element), and
             # flat batches whose programs repeat

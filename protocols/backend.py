@@ -63,6 +63,7 @@ __all__ = [
     "lift",
     "rescale",
     "raw_weighted_sum",
+    "weight_integers",
     "to_compute",
     "transpose",
     "lmatmul",
@@ -301,6 +302,15 @@ def rescale(x: Any, bits: int | None = None) -> Any:
     return relabel(truncate(relabel(x, 0), k), bits)
 
 
+def weight_integers(weights: Sequence[float]) -> tuple[list[int], int]:
+    """Public weights as the integers ``round(w * 2**e)`` and their ``e`` (one exponent for all,
+    ``public_exponent`` of the largest): how :func:`raw_weighted_sum` multiplies shares, so that a
+    sum formed another way (``estimate_aggregate``) holds the same ring integers."""
+    w = torch.as_tensor([float(v) for v in weights], dtype=torch.float64)
+    e = int(public_exponent(w.abs().max()))
+    return [int(round(float(wk) * 2.0 ** e)) for wk in w], e
+
+
 def raw_weighted_sum(values: Sequence[Any], weights: Sequence[float]) -> Any:
     """sum_k w_k x_k for sharings at any precision and public weights, without truncation.
 
@@ -308,10 +318,8 @@ def raw_weighted_sum(values: Sequence[Any], weights: Sequence[float]) -> Any:
     bits; terms are lifted to the largest precision. The result's precision is that sum of bits
     (up to about 52 for raw 32-bit rows), so |result| must stay below 2**(62 - bits).
     """
-    w = torch.as_tensor([float(v) for v in weights], dtype=torch.float64)
-    e = int(public_exponent(w.abs().max()))
-    terms = [relabel(relabel(x, 0) * int(round(float(wk) * 2.0 ** e)), bits_of(x) + e)
-             for x, wk in zip(values, w)]
+    ints, e = weight_integers(weights)
+    terms = [relabel(relabel(x, 0) * wk, bits_of(x) + e) for x, wk in zip(values, ints)]
     top = max(bits_of(t) for t in terms)
     out = lift(terms[0], top)
     for t in terms[1:]:

@@ -63,10 +63,11 @@ import torch
 from mpc import reused_masks
 
 from protocols.backend import is_shared, reveal, stack, to_compute, weighted_sum
+from protocols.sharded import is_sharded
 from .correction import apply_corrections
 from .pair_buffers import PairBuffers
 from .ports import CorrectionClients, History
-from .update_estimation import Inverse, estimate_updates
+from .update_estimation import Inverse, estimate_aggregate, estimate_updates
 
 __all__ = ["Schedule", "Replay", "Combine", "Meter", "ProgressFn", "no_meter", "longest_step"]
 
@@ -92,6 +93,11 @@ class Schedule(Protocol):
     def rejected(self, step: int, round_index: int, estimates: Any, replay: Replay) -> list[int]:
         """Clients whose estimate is replaced by an exact update (ids from ``replay.present``,
         whose order the rows of ``estimates`` follow)."""
+
+    # Optional: ``reads_estimates(step, round_index, replay) -> bool``, False where ``rejected``
+    # would neither look at this step's estimates nor reject any. A schedule without it is asked
+    # every step. Where it says False, a shared replay without reused masks forms only the
+    # round's aggregate of the estimates (``estimate_aggregate``: no per-client m-long product).
 
 
 class Replay:
@@ -158,6 +164,7 @@ class Replay:
             s = torch.zeros_like(s)      # M_hat is M_{t-1}: s = 0, not rounding noise
         stored = [to_compute(history.update(t, j)) for j in present]
         rows: list[Any] = [None] * len(present)
+        folded = None     # the estimates' weighted sum, where only it was formed
         if schedule.exact_now(self.step, t, self):
             exact_ids = list(present)
         else:
@@ -167,15 +174,18 @@ class Replay:
                 y_masks = self.buffers.masked_columns(present)
                 if y_masks is not None:
                     reused_masks.prefetch_matvec(y_masks)
-            with self.meter("UE"):
-                S, Y = self.buffers.stacked(present)
-                est = estimate_updates(stack(stored), s, S, Y, self.inverse, y_masks=y_masks)
-            self.estimated_updates += len(present)
-            if not is_shared(est):
-                peak = float(torch.as_tensor(est).abs().max()) if est.numel() else 0.0
-                self.largest_estimate = max(peak, self.largest_estimate or 0.0)
-            rows = [est[r] for r in range(len(present))]
-            exact_ids = schedule.rejected(self.step, t, est, self)
+            if self._folds(schedule, t, stored, y_masks):
+                with self.meter("UE"):
+                    S, Y = self.buffers.stacked(present)
+                    folded = estimate_aggregate(stack(stored), weights, s, S, Y, self.inverse)
+                self.estimated_updates += len(present)
+                exact_ids = []
+            else:
+                with self.meter("UE"):
+                    est = self._estimate(present, stored, s, y_masks)
+                self.estimated_updates += len(present)
+                rows = [est[r] for r in range(len(present))]
+                exact_ids = schedule.rejected(self.step, t, est, self)
         if exact_ids:
             self.exact_requests[self.step] = list(exact_ids)
             self._correct(t, exact_ids, present, stored, rows, s)
@@ -192,13 +202,22 @@ class Replay:
                     self.synced_round = None
                     return exact_ids
         with self.meter("aggregate"):
-            aggregate = self._open_aggregate(rows, weights, present, t)
+            if folded is not None:
+                aggregate = reveal(folded).to(torch.float64)
+            else:
+                aggregate = self._open_aggregate(rows, weights, present, t)
         if self.guard > 0 and len(exact_ids) < len(present) and self._diverging(aggregate):
             self.guard_steps.append(self.step)
             late = [j for j in present if j not in set(exact_ids)]
             exact_ids = list(exact_ids) + late
             self.exact_requests[self.step] = list(exact_ids)
             self._correct(t, late, present, stored, rows, s)
+            if any(row is None for row in rows):
+                # a folded round whose late client gave no answer keeps its estimate, which was
+                # never formed on its own: the rows are estimated now (as an unfolded round's)
+                with self.meter("UE"):
+                    est = self._estimate(present, stored, s, None)
+                rows = [est[r] if row is None else row for r, row in enumerate(rows)]
             with self.meter("aggregate"):
                 aggregate = self._open_aggregate(rows, weights, present, t)
         self.model = self.model - self.eta * aggregate
@@ -206,6 +225,22 @@ class Replay:
         everyone = len(present) == len(history.participants(t)) and abs(wsum - 1.0) <= 1e-9
         self.synced_round = t if in_step and everyone else None
         return exact_ids
+
+    def _folds(self, schedule: Schedule, t: int, stored: list, y_masks: Any) -> bool:
+        """Whether this estimated round forms only its aggregate (``Schedule.reads_estimates``):
+        FedAvg's replay of shared rows on one machine without reused masks (two-party mode)."""
+        reads = getattr(schedule, "reads_estimates", None)
+        return (reads is not None and not reads(self.step, t, self) and self.combine is None
+                and y_masks is None and all(is_shared(g) and not is_sharded(g) for g in stored))
+
+    def _estimate(self, present: list, stored: list, s: torch.Tensor, y_masks: Any) -> Any:
+        """The present clients' estimated updates, one row each (``estimate_updates``)."""
+        S, Y = self.buffers.stacked(present)
+        est = estimate_updates(stack(stored), s, S, Y, self.inverse, y_masks=y_masks)
+        if not is_shared(est):
+            peak = float(torch.as_tensor(est).abs().max()) if est.numel() else 0.0
+            self.largest_estimate = max(peak, self.largest_estimate or 0.0)
+        return est
 
     def _correct(self, t: int, ids: list, present: list, stored: list, rows: list, s: torch.Tensor) -> None:
         """Ask ``ids`` for their exact updates on M_hat: each answer replaces its row in ``rows``

@@ -102,8 +102,11 @@ class _StarfishSchedule:
         self.result.warmup_steps += 1
         return True
 
+    def reads_estimates(self, step: int, round_index: int, replay: Replay) -> bool:
+        return step % self.interval == 0
+
     def rejected(self, step: int, round_index: int, estimates: Any, replay: Replay) -> list[int]:
-        if step % self.interval:
+        if not self.reads_estimates(step, round_index, replay):
             return []
         self.result.correction_steps.append(step)
         with replay.meter("TC"):

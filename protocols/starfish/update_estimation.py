@@ -41,8 +41,8 @@ from protocols.inverse import inverse_masked
 from protocols.backend import is_shared, lmatmul, mul_mask, transpose
 from protocols.sharded import is_sharded
 
-__all__ = ["compact_hvp", "estimate_updates", "default_inverse", "HvpSums", "HvpCoefficients",
-           "hvp_sums", "hvp_solve", "hvp_apply"]
+__all__ = ["compact_hvp", "estimate_updates", "estimate_aggregate", "default_inverse", "HvpSums", "HvpCoefficients",
+           "hvp_sums", "hvp_solve", "hvp_apply", "aggregate_apply"]
 
 Inverse = Callable[[Any], Any]
 
@@ -198,3 +198,46 @@ def estimate_updates(stored: Any, model_diff: torch.Tensor, S: torch.Tensor, Y: 
     if is_shared(stored):
         return stored + hv
     return torch.as_tensor(stored).to(hv.dtype) + hv
+
+
+def estimate_aggregate(stored: Any, weights: Sequence[float], model_diff: torch.Tensor, S: torch.Tensor,
+                       Y: Any, inverse: Inverse | None = None) -> Any:
+    """sum_j w_j g_hat^j (shared, untruncated) for a replayed round whose estimates enter only
+    its aggregate (no threshold check reads them): :func:`hvp_solve`, then :func:`aggregate_apply`
+    instead of :func:`hvp_apply`. Shared ``Y`` on one machine only."""
+    return aggregate_apply(S, Y, model_diff, hvp_solve(hvp_sums(S, Y, model_diff), inverse), stored, weights)
+
+
+def aggregate_apply(S: torch.Tensor, Y: Any, v: torch.Tensor, c: HvpCoefficients, stored: Any,
+                    weights: Sequence[float]) -> Any:
+    """Phase 3 folded into the round's aggregate: sum_j w_j (g^j + H^j v), shared, at 2F + e
+    fractional bits (``backend.weight_integers``), without any client's m-long product.
+
+    Why: Y z is the one shared x shared product, and per client its output is m long; the
+    engine's matrix product (two-party mode) moves bytes in proportion to its output (about 65
+    per coordinate and client at the MNIST shapes). The weighted sum of the n products is one
+    (m x nB) @ (nB x 1) product of every client's columns with its weighted z: one m-long
+    output for the round. Everything else is public x shared (local). Each term is an integer
+    combination of the ring integers :func:`hvp_apply` forms, so the opened value equals
+    ``reveal(weighted_sum(rows, weights))`` of its rows exactly (the same ``c``).
+    """
+    if not is_shared(Y) or is_sharded(Y):
+        raise ValueError("aggregate_apply folds shared rows on one machine; use hvp_apply")
+    S, Y, vcol = _operands(S, Y, v)
+    n, m, b = (int(d) for d in Y.shape)
+    f = B.frac_bits()
+    ints, e = B.weight_integers(weights)
+    w = torch.tensor(ints, dtype=torch.long).reshape(n, 1, 1)
+
+    def weighted(x: Any) -> Any:    # W_j x_j per client: integers times shares, local
+        return B.relabel(x, 0) * w
+
+    sigma = B.relabel(weighted(c.sigma).sum(0), f)                          # (1, 1)
+    t1 = B.raw_mul(sigma, vcol[0])                                          # (m, 1)
+    sz1 = weighted(transpose(c.sigma_z1)).reshape(1, n * b)
+    t2 = sz1.matmul(B.encode_public(transpose(S)).reshape(n * b, m))        # (1, m): public right
+    z2 = weighted(c.z2).reshape(n * b, 1)
+    t3 = B.raw_matmul(Y.permute(1, 0, 2).reshape(m, n * b), z2)             # (m, 1)
+    hv = B.relabel(t1, 0) - B.relabel(transpose(t2), 0) - B.relabel(t3, 0)
+    g = B.relabel(B.lift(B.to_shared_like(stored), 2 * f), 0) * w.reshape(n, 1)
+    return B.relabel(hv.reshape(m) + g.sum(0), 2 * f + e)

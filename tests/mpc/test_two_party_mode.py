@@ -448,6 +448,34 @@ def test_engine_batches_split_long_inputs_exactly(tp):
     assert np.array_equal(recon(f0, f1), t >> 7)
 
 
+def blocked_matmul_program(party, a0, a1, b0, b1, cap):
+    """The engine's 2-D matmul with its left operand cut into blocks of rows (``_MATMUL_ELEMENTS``
+    scalar entries per call; here small): a folded UE round's (m x nB) @ (nB x 1) product."""
+    import mpc.spu_engine as se
+
+    old = se._MATMUL_ELEMENTS, se._ELEMENTWISE_PRODUCTS
+    se._MATMUL_ELEMENTS, se._ELEMENTWISE_PRODUCTS = cap, 0   # the library's matmul, not the small path
+    try:
+        mine = (a0, b0) if party.rank == 0 else (a1, b1)
+        return party.engine.product("matmul", *mine, kind="online")
+    finally:
+        se._MATMUL_ELEMENTS, se._ELEMENTWISE_PRODUCTS = old
+
+
+@settings(max_examples=6, deadline=None)
+@given(rows=st.integers(1, 90), inner=st.integers(1, 6), cols=st.integers(1, 2), cap=st.integers(1, 400),
+       seed=st.integers(0, 2**31 - 1))
+def test_engine_matmul_in_blocks_of_rows_equals_the_ring_product(tp, rows, inner, cols, cap, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.integers(LO, HI, (rows, inner), dtype=np.int64, endpoint=True)
+    b = rng.integers(LO, HI, (inner, cols), dtype=np.int64, endpoint=True)
+    (a0, a1), (b0, b1) = split(a, "uniform", rng), split(b, "uniform", rng)
+    g0, g1 = call_both(tp, blocked_matmul_program, a0, a1, b0, b1, cap)
+    want = (a.astype(object) @ b.astype(object)) % 2**64
+    got = recon(g0, g1).astype(np.uint64).astype(object)
+    assert (got == want).all()
+
+
 def rows_exceed_program(party, x0, x1, d0, d1, drop, batch):
     """The engine's SecTC test with blocks of ``batch`` coordinates (``_EXCEED_BATCH``; here small,
     so that rows span several blocks and the blocks' bits are ORed on shares)."""
