@@ -22,7 +22,10 @@ S^T S, S^T v and products of S with anything are public-times-shared, i.e. local
 shared-times-shared products are S^T Y-free: sigma * (m-vector) and Y z (m x B by B).
 
 All functions are batched over leading dimensions (one row per client), so the 2PC run
-does each step for all n-1 clients in the same communication rounds.
+does each step for all n-1 clients in the same communication rounds. A replayed round whose
+estimates only enter its aggregate (no threshold check) can form sum_j w_j g_hat^j directly
+(:func:`estimate_aggregate`): one m-long shared x shared product for the round, not one per
+client.
 """
 
 from __future__ import annotations

@@ -124,7 +124,10 @@ def _lab_args(**over) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def test_secure_stage2_equals_the_plaintext_twin_end_to_end():
+@pytest.mark.parametrize("offline", ["dealer", "two-party"])
+def test_secure_stage2_equals_the_plaintext_twin_end_to_end(session_of, offline):
+    """Both modes on the worker's shared session. T_c = 2 leaves estimated rounds no check reads:
+    two-party mode forms only their aggregate (``Replay._folds``), the dealer mode every row."""
     from lab import experiment
     from bench import secure_lab
     from lab.fl import run_federated
@@ -138,9 +141,11 @@ def test_secure_stage2_equals_the_plaintext_twin_end_to_end():
     params = StarfishParams(sigma=0.6, beta=0.2, buffer=2)
     pool = ClientPool(setup.participants, remaining_clients(hist, setup.targets))
     plain = run_stage2(None, hist, setup.targets, params, PoolClients(pool))
-    out = secure_lab.run_secure_starfish(args, hist, setup.targets, params)
+    out = secure_lab.run_secure_starfish(args, hist, setup.targets, params, pair=session_of(offline))
     v0, v1 = out["values"]
     assert np.array_equal(v0["model"], v1["model"])
+    estimated = range(plain.warmup_steps + 1, len(plain.selected_rounds) + 1)
+    assert [s for s in estimated if s not in plain.correction_steps]   # some rounds are folded
     diff = np.abs(v0["model"] - plain.model.double().numpy()).max()
     assert diff < 1e-2, diff
     ter_plain = setup.evaluate(plain.model)["ter"]
@@ -149,9 +154,9 @@ def test_secure_stage2_equals_the_plaintext_twin_end_to_end():
     assert v0["selected_rounds"] == plain.selected_rounds
     assert {int(k): v for k, v in v0["flags"].items()} == plain.flags
     assert plain.flags  # the run did check thresholds
-    steps = v0["meters"]["steps"]
+    metered = {k.rsplit("/", 1)[-1] for k in v0["meters"]["steps"]}   # on a shared session: "call-N/UE"
     for name in ("TD", "RS", "UE", "TC", "correction", "aggregate"):
-        assert name in steps
+        assert name in metered
 
 
 def test_switching_threshold_follows_the_measured_costs():
