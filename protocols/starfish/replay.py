@@ -18,7 +18,9 @@ took part in round t (public; all of them under full participation):
    left out of the round like a client that did not take part (the others' weights
    renormalised; nobody left: M_hat carries over). Its buffer is unchanged either way;
 4. ``aggregate``: M_hat <- M_hat - eta sum_j w_j g^j with the stored FedAvg weights of round
-   t renormalised over present_t; the aggregate is the only value opened. A history made by
+   t renormalised over present_t; the aggregate is the only value opened. Where the schedule
+   reads no estimate of the round (``Schedule.reads_estimates``), a shared replay without reused
+   masks forms that sum directly, without each client's row (``estimate_aggregate``, issue 26). A history made by
    another rule (the lab's robust aggregators) can be replayed with that rule instead:
    ``combine(rows, weights, present, t)`` returns the opened direction of round t.
 
@@ -212,12 +214,15 @@ class Replay:
             exact_ids = list(exact_ids) + late
             self.exact_requests[self.step] = list(exact_ids)
             self._correct(t, late, present, stored, rows, s)
-            if any(row is None for row in rows):
+            missing = [r for r, row in enumerate(rows) if row is None]
+            if missing:
                 # a folded round whose late client gave no answer keeps its estimate, which was
-                # never formed on its own: the rows are estimated now (as an unfolded round's)
+                # never formed on its own: those rows are estimated now (their buffers are as
+                # they were: an absent client offers no pair)
                 with self.meter("UE"):
-                    est = self._estimate(present, stored, s, None)
-                rows = [est[r] if row is None else row for r, row in enumerate(rows)]
+                    est = self._estimate([present[r] for r in missing], [stored[r] for r in missing], s, None)
+                for k, r in enumerate(missing):
+                    rows[r] = est[k]
             with self.meter("aggregate"):
                 aggregate = self._open_aggregate(rows, weights, present, t)
         self.model = self.model - self.eta * aggregate
