@@ -22,7 +22,7 @@ demo: setup
 	$(VENV)/bin/starfish demo
 
 # two workers, each taking whole modules (the 2PC sessions a worker shares stay in one process):
-# 510 s on 2 cores on a fresh clone at 600e793; three workers took 697 s where two took 654 s at
+# 550 s on 2 cores on a fresh clone at e1d6975 (510 s at 600e793); three workers took 697 s where two took 654 s at
 # 5ebacc2 (earlier: 735 s with two, 684 s with three and 771 s with four); the heaviest modules
 # first (tests/conftest.py)
 test: setup
