@@ -176,16 +176,15 @@ class Replay:
                 y_masks = self.buffers.masked_columns(present)
                 if y_masks is not None:
                     reused_masks.prefetch_matvec(y_masks)
+            self.estimated_updates += len(present)
             if self._folds(schedule, t, stored, y_masks):
                 with self.meter("UE"):
                     S, Y = self.buffers.stacked(present)
                     folded = estimate_aggregate(stack(stored), weights, s, S, Y, self.inverse)
-                self.estimated_updates += len(present)
                 exact_ids = []
             else:
                 with self.meter("UE"):
                     est = self._estimate(present, stored, s, y_masks)
-                self.estimated_updates += len(present)
                 rows = [est[r] for r in range(len(present))]
                 exact_ids = schedule.rejected(self.step, t, est, self)
         if exact_ids:
