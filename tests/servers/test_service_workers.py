@@ -194,10 +194,12 @@ def test_a_worker_killed_mid_job_fails_the_run_on_both_servers_and_the_next_run_
     assert len(seam) == 1, "\n".join(logs[0][-60:])
     lost = {p: [ln for ln in logs[p] if f"job {job}: run 1 lost its session" in ln] for p in (0, 1)}
     assert len(lost[0]) == 1 and len(lost[1]) == 1, lost
-    # server 0 names its dead worker; server 1 the first of its workers to lose its peer (the
-    # killed one's, or the other, whose peer server 0 ends as it gives the run up)
+    # server 0 names its dead worker; server 1 whatever lost its peer first: one of its workers
+    # (the killed one's peer, or the other, whose peer server 0 ends as it gives the run up), or
+    # its own session channel, which server 0 closes as it gives the run up (a race; seen on CI)
     assert "WorkerError" in lost[0][0] and "server0-w1 is gone" in lost[0][0], lost[0]
-    assert re.search(r"server1-w\d: WorkerError: (PeerDisconnected|PeerTimeout|ChannelError)", lost[1][0]), lost[1]
+    assert re.search(r"server1-w\d: WorkerError: (PeerDisconnected|PeerTimeout|ChannelError)"
+                     r"|\(PeerDisconnected: online channel to server0: ", lost[1][0]), lost[1]
     killed = _log_time(seam[0])
     assert _log_time(lost[0][0]) - killed < 10 and _log_time(lost[1][0]) - killed < 30
     assert [r["attempts"] for r in recs] == [2, 2]
