@@ -3,8 +3,9 @@
 One two-party session (two processes, TLS, dealer) aggregates a random K x D matrix of updates
 held as shares (``protocols.robust_aggregation``) and opens the aggregate; every step of the rule
 is metered on its own (FedSECA: signs, crise, agree, clip, clamp, divide; BRACE: signs, vote;
-then ``open``; with ``--check-thresholds`` also ``check``, the servers' verification of the
-clients' lambda_k). The updates are synthetic (N(0, 0.01) on the 16-bit grid, two clients
+then ``open``; with ``--check-thresholds`` the servers' round, ``fedseca_checked``: the
+verification of the clients' lambda_k shares the rule's sign-test call ``signs`` and adds the
+step ``check``, its verdict). The updates are synthetic (N(0, 0.01) on the 16-bit grid, two clients
 scaled by 10 as in FedSECA's scaling attack): the cost depends on K and D only.
 
 Runs (``--runs``):
@@ -36,7 +37,8 @@ import torch
 from mpc.launcher import run_parties
 from mpc.crypten_compat import crypten
 from protocols import backend as B
-from protocols.robust_aggregation import (brace_sign, check_thresholds, fedseca, quantile_thresholds)
+from protocols.robust_aggregation import (brace_sign, check_thresholds, fedseca, fedseca_checked,
+                                          quantile_thresholds)
 
 from . import common_options, offline, profiles
 from .report import human_bytes, machine_info, markdown_table, write_json
@@ -64,7 +66,7 @@ def _warm_up() -> None:
     lam = _shared(np.full(3, 0.01))
     B.reveal(fedseca(g, thresholds=lam))
     B.reveal(brace_sign(g))
-    check_thresholds(g, lam)
+    fedseca_checked(g, lam)
 
 
 def _program(party, spec: dict, schedule) -> dict:
@@ -77,9 +79,11 @@ def _program(party, spec: dict, schedule) -> dict:
     out: dict = {}
     if spec["aggregator"] == "fedseca":
         L = _shared(lam)
-        if spec["check"]:
-            out["check"] = check_thresholds(G, L, spec["gamma"], meter=proxy.meter).numpy()
-        agg = fedseca(G, gamma=spec["gamma"], thresholds=L, meter=proxy.meter)
+        if spec["check"]:   # as the servers' round does: the check shares the rule's sign tests
+            ok, agg = fedseca_checked(G, L, gamma=spec["gamma"], meter=proxy.meter)
+            out["check"] = ok.numpy()
+        else:
+            agg = fedseca(G, gamma=spec["gamma"], thresholds=L, meter=proxy.meter)
     else:
         agg = brace_sign(G, lam=spec["lam"], meter=proxy.meter)
     with proxy.meter("open"):

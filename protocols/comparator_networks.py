@@ -9,10 +9,12 @@ coordinate with it. Plaintext torch tensors run the same layers with ``>=``/``<`
 
 from __future__ import annotations
 
+import functools
 import math
 from functools import lru_cache
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from mpc.nonnegative import nonnegative
@@ -77,6 +79,35 @@ def median_network(n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     return tuple(reversed(kept))
 
 
+#: up to this many wires, :func:`partition_network` drops every comparator whose removal leaves all
+#: 2**n 0/1 inputs partitioned (0.2 s at n = 20 on one core; 4x per two more wires)
+EXHAUSTIVE_WIRES = 20
+
+
+def _partitions_every_zero_one_input(n: int, comparators: Sequence[tuple[int, int]],
+                                     wires: list) -> bool:
+    """Does the network leave every 0/1 input partitioned around m = (n-1)//2?
+
+    ``wires[i]``: bit i of every input 0 .. 2**n - 1, packed (numpy uint8). For 0/1 values the
+    partition property reads: no 1 below m where m holds a 0, no 0 above m where m holds a 1;
+    it implies that m holds the median. A comparator network commutes with monotone maps, so
+    this decides the property for every input (the 0-1 principle).
+    """
+    m = (n - 1) // 2
+    w = list(wires)
+    for a, b in comparators:
+        w[a], w[b] = w[a] & w[b], w[a] | w[b]
+    below = functools.reduce(np.bitwise_or, w[:m], np.zeros_like(w[0]))
+    above_zero = functools.reduce(np.bitwise_or, [~x for x in w[m + 1:]], np.zeros_like(w[0]))
+    return not bool((below & ~w[m]).any() or (above_zero & w[m]).any())
+
+
+def _zero_one_wires(n: int) -> list:
+    inputs = np.arange(1 << n, dtype=np.uint64)
+    return [np.packbits(((inputs >> np.uint64(i)) & np.uint64(1)).astype(np.uint8), bitorder="little")
+            for i in range(n)]
+
+
 @lru_cache(maxsize=64)
 def partition_network(n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Layers after which position m = (n-1)//2 holds the lower median, positions < m values
@@ -85,7 +116,10 @@ def partition_network(n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     From Batcher's sorting network, repeatedly drop a comparator that is the last one on both of
     its wires when both lie below m or both above m: it only reorders values inside one group,
     and nothing after it looks at them. What is left keeps the groups (as multisets) and the
-    median of the full sort.
+    median of the full sort. Up to :data:`EXHAUSTIVE_WIRES` wires, then every comparator whose
+    removal keeps all 2**n 0/1 inputs partitioned is dropped too (from the last to the first,
+    until none can go): 71 comparators for n = 20 where the structural pruning leaves 84. The
+    layers stay Batcher's, so the depth does not grow.
     """
     m = (n - 1) // 2
 
@@ -105,6 +139,17 @@ def partition_network(n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
                 if not later:
                     layers[li].remove(c)
                     changed = True
+    if 2 <= n <= EXHAUSTIVE_WIRES:
+        wires = _zero_one_wires(n)
+        flat = [(li, c) for li, layer in enumerate(layers) for c in layer]
+        changed = True
+        while changed:
+            changed = False
+            for k in range(len(flat) - 1, -1, -1):
+                trial = flat[:k] + flat[k + 1:]
+                if _partitions_every_zero_one_input(n, [c for _, c in trial], wires):
+                    flat, changed = trial, True
+        layers = [[c for li, c in flat if li == i] for i in range(len(layers))]
     return tuple(tuple(layer) for layer in layers if layer)
 
 

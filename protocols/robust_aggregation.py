@@ -44,7 +44,7 @@ exact for ring integers in [-2**31, 2**31); the ranges below keep every tested v
    paper's; :func:`fedseca_parts` reports delta as computed here (it may be 1 there).
 4. clipping factors c_k (K values), x_k^j = c_k |g_k^j| = |g_hat_k^j|.
 5. clamped sum without clamp comparisons: a data-independent *partition network* (Batcher's
-   odd-even merge sort, pruned) moves, per coordinate, the K values x^j with their payloads
+   odd-even merge sort, pruned: ``comparator_networks.partition_network``) moves, per coordinate, the K values x^j with their payloads
    delta s so that position m = (K-1)//2 holds mu^j, the positions below hold values <= mu^j
    and those above values >= mu^j. Then sum_k delta_k min(mu, x_k) s =
    sum_{i<m} (delta s)_(i) x_(i) + mu sum_{i>=m} (delta s)_(i): one multiplication.
@@ -54,27 +54,11 @@ exact for ring integers in [-2**31, 2**31); the ranges below keep every tested v
 
 Where lambda_k comes from
 -------------------------
-A gamma-quantile of D = 582,026 shared values would need an oblivious sort (or selection) of
-every row, far beyond a round's budget, so on shares ``thresholds`` is required. In a
-deployment each client computes lambda_k on its own *encoded* update (an order statistic of
-the fixed-point values, so it lies on the grid and is exact) and uploads it as a share with
-the update, as Starfish's clients already upload their delta (DESIGN.md 3.2). A Byzantine
-client could lie (lambda = 0 keeps everything, a huge one drops everything), so the servers
-check it with :func:`check_thresholds`, which opens one bit per client and nothing else; a
-client that fails can be left out of the round. The check also pins lambda_k to [0, 2**14)
-(the bounded sign tests' range).
-
-We use the *lower* order statistic lambda_k = v_(f), f = floor(gamma (D - 1)), of the sorted
-|g_k| (torch.quantile(..., interpolation="lower")). The sparsification set {|g| > lambda} is
-then exactly the one of the linearly interpolated quantile of the authors' code
-(torch.quantile's default): that lambda lies in [v_(f), v_(f+1)] and no value lies strictly
-between the two order statistics. The check pins lambda_k = v_(f) exactly (also with ties):
-n_gt = #{|g| > lambda} <= D - 1 - f and n_ge = #{|g| >= lambda} >= D - f hold together iff
-lambda = v_(f). They are counted from the bounded tests [g > lambda], [g < -lambda] (n_gt, the
-two are disjoint for lambda >= 0) and [g < lambda], [g > -lambda] (n_ge = 2D - their sum, exact
-for lambda > 0; for lambda = 0 it reads D + #{g = 0} >= D - f, which passes as the true n_ge = D
-does), and 0 <= lambda < 2**14 is tested in the 64-bit ring on the K values (outside, the
-32-bit counts may be wrong; the range bit fails the client whatever they say).
+On shares the rule needs ``thresholds``: each client uploads its lambda_k with its update and
+the servers verify the claim (``protocols.fedseca_thresholds``, which has the reasoning).
+:func:`fedseca_checked` verifies and aggregates in one pass: the check's tests [g > lambda],
+[g < -lambda] are the rule's keep bits, so one call of 6 K D bounded tests serves both, and
+the rows of the clients whose claim fails are dropped before CRISE.
 
 BRACE (``papers/brace.txt`` eq. 1)
 ----------------------------------
@@ -98,8 +82,8 @@ directions, about 41 bytes of dealer material); a comparison the 64-bit sign tes
 ``mpc.nonnegative.below_power_of_two`` on 2x (8 rounds, 47.75 bytes), only in the clip factors; a
 multiplication opens 2 x 8 bytes per party (32 bytes both directions; products by bits and
 integer products need no truncation, fixed-point ones one truncation round of 16 bytes).
-C(K) = comparators of the pruned partition network (4 for K=3, 27 for K=10, 84 for K=20); C'(K)
-those of the median-only network (same counts up to K=20).
+C(K) = comparators of the pruned partition network (3 for K=3, 24 for K=10, 71 for K=20);
+C'(K) those of the median-only network (3, 27, 84).
 
 ============================  ==================  ===============  ============================
 step                          bounded tests       64-bit tests     multiplications
@@ -116,6 +100,7 @@ clamped sum                   --                  --               ((K-1)//2 + 1
 division by the count         K D                 --               D (+ D trunc.)
 brace_sign                    2 K D + D           --               --
 check_thresholds              4 K D               4 K              3 K
+fedseca_checked: check        +2 K D (one call)   4 K              3 K
 ============================  ==================  ===============  ============================
 
 Measured (K = 20, D = 582,026, ``python -m bench.robust_aggregation --clients 20 --dim 582026
@@ -127,7 +112,7 @@ products 4.0 KB), divide 1.0 -> 0.28 KB: 20.5 -> 10.8 KB for ``fedseca``; ``chec
 test): 13.4 KB per coordinate for ``fedseca`` + check (9.4 KB before). Rounds do not depend on D
 while a call stays below ``comparator_networks.MAX_BATCH`` elements; larger calls are split, 9 rounds per extra
 piece (668 rounds for ``fedseca`` + check + opening at D = 582,026, 434 at D = 100,000).
-docs/protocols.md has the tables and the seconds.
+Since then (``fedseca_checked``, 71 comparators): docs/protocols.md has the tables and the seconds.
 
 Why not ``protocols.division``. The count n^j is an integer in 0..K: its K bounded tests cost
 235 bytes at K = 20 and give 1/n^j exactly, where ``divide`` costs 34 comparisons and 9
@@ -166,9 +151,8 @@ by mu (what a Byzantine client can do with its update anyway).
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Any, Callable, ContextManager, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -182,10 +166,15 @@ from .compare import select
 from .comparator_networks import (batcher_layers as _batcher_layers, batched as _batched,  # noqa: F401
                                   ge as _ge, median_network, negative as _neg, partition_network,
                                   run_network as _run_network)
+from .fedseca_thresholds import (LAMBDA_LIMIT, Meter, as_float64 as _f64, check_gamma as _check_gamma,
+                                 check_thresholds, claim_operands, claim_verdict,
+                                 no_meter as _no_meter, prepare as _prepare, quantile_thresholds)
 
 __all__ = [
     "fedseca",
     "fedseca_parts",
+    "fedseca_checked",
+    "CheckedAggregate",
     "fedseca_elected_signs",
     "FedsecaParts",
     "brace_sign",
@@ -208,22 +197,9 @@ _POW4 = 30
 _RSQRT_A, _RSQRT_B, _RSQRT_STEPS = 1.066, 0.152, 3
 # Fractional bits of the clip factors and of 1/count.
 _HI = 32
-# Thresholds must lie in [0, 2**14) (ring integers below 2**30) for the bounded sign tests.
-_LAM_LIMIT = 1 << 30
 
 
 # ------------------------------------------------------------------------------ small pieces
-Meter = Callable[[str], ContextManager[Any]]
-
-
-def _no_meter(_name: str) -> ContextManager[Any]:
-    return contextlib.nullcontext()
-
-
-def _f64(x: Any) -> torch.Tensor:
-    return torch.as_tensor(x).to(torch.float64)
-
-
 def _is_zero(x: Tensor) -> Tensor:
     """[x == 0] as a bit. 2PC: 2x < 2 read unsigned, i.e. 2x = 0 in the ring, i.e. x = 0 (or
     x = 2**63, outside every range): one ``below_power_of_two`` test (63 AND gates)."""
@@ -242,38 +218,6 @@ def _sign(x: Tensor) -> Tensor:
 
 def _rows(x: Tensor) -> list:
     return [x[i] for i in range(int(x.shape[0]))]
-
-
-def quantile_thresholds(G: torch.Tensor, gamma: float = FEDSECA_GAMMA) -> torch.Tensor:
-    """Plaintext lambda_k = v_(f) of the sorted |g_k| (torch.quantile, interpolation "lower").
-
-    What an honest client computes on its own encoded update before uploading it.
-    """
-    G = _f64(G)
-    _check_matrix(G)
-    _check_gamma(gamma)
-    K, D = G.shape
-    if D == 0:
-        return torch.zeros(K, dtype=torch.float64)
-    f = quantile_rank(D, gamma)
-    return torch.kthvalue(G.abs(), f + 1, dim=1).values
-
-
-def _check_matrix(G: Any) -> None:
-    if len(tuple(G.shape)) != 2:
-        raise ValueError(f"G must be a K x D matrix (one row per client), got shape {tuple(G.shape)}")
-    if int(G.shape[0]) < 1:
-        raise ValueError("G needs at least one client (row)")
-
-
-def _check_gamma(gamma: float) -> None:
-    if not (isinstance(gamma, (int, float)) and 0.0 <= float(gamma) <= 1.0):
-        raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
-
-
-def _prepare(G: Tensor) -> Tensor:
-    _check_matrix(G)
-    return G if B.is_shared(G) else _f64(G)
 
 
 def _thresholds_column(G: Tensor, thresholds: Optional[Tensor], gamma: float) -> Tensor:
@@ -409,15 +353,15 @@ class FedsecaParts(NamedTuple):
     thresholds: Tensor
 
 
-def _signs_and_keeps(G: Tensor, lam: Tensor):
-    """One bounded sign-test call: [g < 0], [-g < 0], [lambda - g < 0], [g + lambda < 0].
+def _sign_blocks(G: Tensor, lam: Tensor, claims: bool = False) -> list:
+    """The blocks one bounded sign-test call takes: [g < 0], [-g < 0], [lambda - g < 0],
+    [g + lambda < 0], with ``claims`` also the check's [g - lambda < 0], [-g - lambda < 0].
 
     |g| < 2**14 and 0 <= lambda < 2**14 keep every tested value inside |.| < 2**15, i.e. ring
-    integers inside the 32-bit test's domain. Returns ([g < 0], sgn(g), keep+, keep-)."""
-    K = int(G.shape[0])
-    bits = _neg(B.cat([G, -G, (-G) + lam, G + lam]))
-    neg, pos = bits[:K], bits[K:2 * K]
-    return neg, pos - neg, bits[2 * K:3 * K], bits[3 * K:]
+    integers inside the 32-bit test's domain; the third and fourth blocks are keep+ and keep-."""
+    blocks = [G, -G]
+    ops = claim_operands(G, lam)
+    return blocks + (ops if claims else ops[:2])
 
 
 def _crise(S: Tensor):
@@ -453,7 +397,15 @@ def fedseca_parts(G: Tensor, *, gamma: float = FEDSECA_GAMMA, thresholds: Option
         return FedsecaParts(empty, empty, torch.zeros(K, dtype=torch.float64), z2, z2, empty,
                             ones, empty, lam.reshape(K))
     with meter("signs"):
-        neg, S, keep_pos, keep_neg = _signs_and_keeps(G, lam)
+        bits = _neg(B.cat(_sign_blocks(G, lam)))
+    return _parts_from_signs(G, lam, bits, meter)
+
+
+def _parts_from_signs(G: Tensor, lam: Tensor, bits: Tensor, meter: Meter) -> FedsecaParts:
+    """FedSECA from CRISE on, given the sign call's first four blocks (4 K x D bits)."""
+    K = int(G.shape[0])
+    neg = bits[:K]
+    S, keep_pos, keep_neg = bits[K:2 * K] - neg, bits[2 * K:3 * K], bits[3 * K:4 * K]
     with meter("crise"):
         w, s_pos, s_neg = _crise(S)
     with meter("agree"):
@@ -471,6 +423,63 @@ def fedseca_parts(G: Tensor, *, gamma: float = FEDSECA_GAMMA, thresholds: Option
         agg = _divide_by_count(num, count, K)
     return FedsecaParts(agg, s_pos - s_neg, w, keep_pos + keep_neg, agree, count, c, mu,
                         lam.reshape(K))
+
+
+class CheckedAggregate(NamedTuple):
+    """:func:`fedseca_checked`'s result: ``accepted`` (public bool per client: its lambda_k was
+    right) and the aggregate over the accepted rows (shares in 2PC; None if none was)."""
+
+    accepted: torch.Tensor
+    aggregate: Optional[Tensor]
+
+
+def fedseca_checked(G: Tensor, thresholds: Tensor, *, gamma: float = FEDSECA_GAMMA,
+                    meter: Optional[Meter] = None) -> CheckedAggregate:
+    """The servers' round: check each client's claimed lambda_k, then FedSECA on the clients
+    whose claim holds, with their thresholds.
+
+    The same as ``check_thresholds`` followed by :func:`fedseca` on the accepted rows (opens the
+    same K bits, nothing more), for 6 K D bounded tests in one call instead of 4 K D + 4 K D:
+    the check's [g > lambda], [g < -lambda] are the rule's keep bits, and a bit matrix's rows
+    are dropped by public index. Plaintext: exactly that composition (the twin). ``meter``:
+    signs (the shared call), check (the verdict), then fedseca's steps.
+    """
+    meter = meter or _no_meter
+    _check_gamma(gamma)
+    G = _prepare(G)
+    K, D = int(G.shape[0]), int(G.shape[1])
+    if tuple(thresholds.shape) != (K,):
+        raise ValueError(f"thresholds must have shape ({K},), got {tuple(thresholds.shape)}")
+    if not B.any_shared(G, thresholds) or D == 0:
+        ok = check_thresholds(G, thresholds, gamma, meter=meter)
+        kept = [k for k in range(K) if bool(ok[k])]
+        if not kept:
+            return CheckedAggregate(ok, None)
+        return CheckedAggregate(ok, fedseca(_pick(G, kept), gamma=gamma,
+                                            thresholds=_pick(thresholds, kept), meter=meter))
+    lam = B.to_shared_like(thresholds if B.is_shared(thresholds) else _f64(thresholds))
+    G = B.to_shared_like(G)
+    with meter("signs"):
+        bits = _neg(B.cat(_sign_blocks(G, lam.unsqueeze(1), claims=True)))
+    with meter("check"):
+        ok = claim_verdict(bits[2 * K:], lam, D, gamma)
+    kept = [k for k in range(K) if bool(ok[k])]
+    if not kept:
+        return CheckedAggregate(ok, None)
+    if len(kept) == K:
+        mine = bits[:4 * K]          # a view: no copy of the K x D blocks in the common case
+    else:
+        mine = _pick(bits, [b * K + k for b in range(4) for k in kept])
+    del bits
+    parts = _parts_from_signs(_pick(G, kept), _pick(lam, kept).unsqueeze(1), mine, meter)
+    return CheckedAggregate(ok, parts.aggregate)
+
+
+def _pick(x: Tensor, rows: list) -> Tensor:
+    """The rows of ``x`` at public indices (all of them: ``x`` itself)."""
+    if len(rows) == int(x.shape[0]) and rows == list(range(len(rows))):
+        return x
+    return B.stack([x[i] for i in rows])
 
 
 def fedseca(G: Tensor, *, gamma: float = FEDSECA_GAMMA, thresholds: Optional[Tensor] = None,
@@ -535,52 +544,3 @@ def brace_sign(G: Tensor, *, lam: float = BRACE_LAMBDA, meter: Optional[Meter] =
         L = min(max(math.floor(float(lam)), -K - 1), K)
         up = _neg((-total) + L)                   # [total > L]
     return up * 2 - 1
-
-
-# ------------------------------------------------------------------------ threshold check
-def check_thresholds(G: Tensor, thresholds: Tensor, gamma: float = FEDSECA_GAMMA,
-                     meter: Optional[Meter] = None) -> torch.Tensor:
-    """Public bool per client: is lambda_k exactly the order statistic v_(f) of |g_k|?
-
-    f = floor(gamma (D - 1)) (:func:`quantile_rank`). True iff lambda_k >= 0,
-    #{j: |g_k^j| > lambda_k} <= D - 1 - f and #{j: |g_k^j| >= lambda_k} >= D - f. 2PC also
-    requires lambda_k < 2**14 (an honest one is some |g| < 2**14, module docstring "Ranges"): one
-    call of 4 K D bounded sign tests (module docstring, "Where lambda_k comes from"), one of the
-    4 K per-client 64-bit tests, three product rounds, one opening of K bits, nothing else.
-    D = 0: every claim passes (nothing to sparsify). ``meter``: the whole check is the step
-    "check".
-    """
-    with (meter or _no_meter)("check"):
-        return _check_thresholds(G, thresholds, gamma)
-
-
-def _check_thresholds(G: Tensor, thresholds: Tensor, gamma: float) -> torch.Tensor:
-    _check_gamma(gamma)
-    G = _prepare(G)
-    K, D = int(G.shape[0]), int(G.shape[1])
-    if tuple(thresholds.shape) != (K,):
-        raise ValueError(f"thresholds must have shape ({K},), got {tuple(thresholds.shape)}")
-    if D == 0:
-        return torch.ones(K, dtype=torch.bool)
-    f = quantile_rank(D, gamma)
-    if not B.any_shared(G, thresholds):
-        lam = _f64(thresholds)
-        a = G.abs()
-        n_gt = (a > lam.unsqueeze(1)).sum(1)
-        n_ge = (a >= lam.unsqueeze(1)).sum(1)
-        return (lam >= 0) & (n_gt <= D - 1 - f) & (n_ge >= D - f)
-    lam = B.to_shared_like(thresholds if B.is_shared(thresholds) else _f64(thresholds))
-    G = B.to_shared_like(G)
-    col = lam.unsqueeze(1)
-    # [g > lam], [g < -lam], [g < lam], [g > -lam]: bounded sign tests, exact while |g| < 2**14
-    # and 0 <= lam < 2**14 (the range test below; outside it the counts may be wrong, but the
-    # range bit fails the client whatever they say)
-    bits = _neg(B.cat([(-G) + col, G + col, G - col, (-G) - col]))
-    n_gt = (bits[:K] + bits[K:2 * K]).sum(1)            # the two events are disjoint for lam >= 0
-    # #{-lam < g < lam} = sum ([g < lam] + [g > -lam] - 1) for lam > 0; for lam = 0 it reads
-    # -#{g = 0} instead of 0, so n_ge reads D + #{g = 0} >= D - f: it passes as it should
-    n_ge = 2 * D - (bits[2 * K:3 * K] + bits[3 * K:]).sum(1)
-    raw = B.relabel(lam, 0)
-    tests = _ge(B.cat([(D - 1 - f) - n_gt, n_ge - (D - f), raw, (_LAM_LIMIT - 1) - raw]), 0)
-    ok = tests[:K] * tests[K:2 * K] * tests[2 * K:3 * K] * tests[3 * K:]
-    return B.reveal(ok).to(torch.bool)

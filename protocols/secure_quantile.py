@@ -18,7 +18,8 @@ from common.robust_rules import FEDSECA_GAMMA, quantile_rank
 from . import backend as B
 from .backend import Tensor
 from .comparator_networks import negative as _neg
-from .robust_aggregation import Meter, _check_gamma, _no_meter, _prepare, quantile_thresholds
+from .fedseca_thresholds import (Meter, check_gamma as _check_gamma, no_meter as _no_meter,
+                                 prepare as _prepare, quantile_thresholds)
 
 __all__ = ["secure_quantile_thresholds", "QUANTILE_STEP_BITS"]
 

@@ -8,10 +8,11 @@ Byzantine-robust rule, which needs comparisons on the shares. So, after the rang
 ``mpc_port``; correlated randomness from the dealer or made between the servers, as
 ``[deployment] offline`` says) and run on the staged shares of the round's participants:
 
-* ``fedseca``: ``check_thresholds`` on every participant's update and the lambda_k share it
-  uploaded (one bit per client is opened: is lambda_k exactly the gamma-quantile of its
-  |g_k|?); the clients whose bit is 0 are left out; then ``fedseca`` on the others' updates
-  with their thresholds, and the aggregate g_tilde (D values) is opened;
+* ``fedseca``: ``fedseca_checked`` on every participant's update and the lambda_k share it
+  uploaded: one bit per client is opened (is lambda_k exactly the gamma-quantile of its
+  |g_k|?), the clients whose bit is 0 are left out, FedSECA runs on the others' updates with
+  their thresholds (the check and the rule share one call of sign tests), and the aggregate
+  g_tilde (D values) is opened;
 * ``brace-sign``: ``brace_sign`` on the participants' updates; the +-1 vote is opened.
 
 Nothing else is opened (``protocols/robust_aggregation.py``, "What is opened"); both servers
@@ -31,7 +32,7 @@ import numpy as np
 
 from common.service_config import ServiceConfig
 from protocols.backend import reveal, stack
-from protocols.robust_aggregation import brace_sign, check_thresholds, fedseca
+from protocols.robust_aggregation import brace_sign, fedseca_checked
 
 from servers.secure.robust_steps import brace_vote_lambda
 from servers.secure.round_checks import open_round_session
@@ -80,14 +81,10 @@ def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, ro
                 # cannot happen through the client API, which requires the threshold here
                 raise ValueError(f"round {round_no}: clients {missing} staged no threshold")
             lams = [party.wrap_share(t.reshape(1), precision=prec) for t in thresholds]
-            with party.meter("threshold_check"):
-                ok = check_thresholds(stack(rows), stack(lams).reshape(-1), fl.fedseca_gamma)
+            with party.meter("aggregate"):
+                ok, agg = fedseca_checked(stack(rows), stack(lams).reshape(-1),
+                                          gamma=fl.fedseca_gamma, meter=party.meter)
             kept = [k for k, good in enumerate(ok.tolist()) if good]
-            if kept:
-                with party.meter("aggregate"):
-                    agg = fedseca(stack([rows[k] for k in kept]),
-                                  thresholds=stack([lams[k] for k in kept]).reshape(-1),
-                                  gamma=fl.fedseca_gamma, meter=party.meter)
         else:
             with party.meter("aggregate"):
                 agg = brace_sign(stack(rows), lam=brace_vote_lambda(fl, len(parts)))

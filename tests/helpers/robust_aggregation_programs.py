@@ -12,7 +12,8 @@ import torch
 from mpc.crypten_compat import crypten
 from protocols import backend as B
 from protocols import comparator_networks
-from protocols.robust_aggregation import brace_sign, check_thresholds, fedseca_elected_signs, fedseca_parts
+from protocols.robust_aggregation import (brace_sign, check_thresholds, fedseca_checked, fedseca_elected_signs,
+                                          fedseca_parts)
 
 
 def _shared(a: np.ndarray, src: int):
@@ -42,6 +43,15 @@ def fedseca_cases(party, cases: list, max_batch: int | None = None) -> list:
 def check_cases(party, cases: list) -> list:
     return [check_thresholds(_shared(c["g"], 0), _shared(c["lam"], 1), c["gamma"]).numpy()
             for c in cases]
+
+
+def checked_cases(party, cases: list) -> list:
+    """The servers' round (``fedseca_checked``): (accepted bits, opened aggregate or None)."""
+    out = []
+    for c in cases:
+        ok, agg = fedseca_checked(_shared(c["g"], 0), _shared(c["lam"], 1), gamma=c["gamma"])
+        out.append((ok.numpy(), None if agg is None else _open(agg)))
+    return out
 
 
 def missing_thresholds(party) -> str:

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from protocols import robust_aggregation as ra
 from protocols.secure_quantile import secure_quantile_thresholds
-from protocols.robust_aggregation import (brace_sign, check_thresholds, fedseca, fedseca_elected_signs,
-                                          fedseca_parts, median_network, momentum, partition_network,
+from protocols.robust_aggregation import (brace_sign, check_thresholds, fedseca, fedseca_checked,
+                                          fedseca_elected_signs, fedseca_parts, median_network, momentum, partition_network,
                                           quantile_thresholds)
 from tests.helpers import robust_aggregation_programs as rap
 from tests.helpers.fixed_point_strategies import LSB, fixed_arrays
@@ -220,10 +220,12 @@ def test_networks_on_every_zero_one_input(n):
 
 
 def test_network_sizes():
-    """Pruning pays: Batcher's sort of 20 has 103 comparators, the partition network 84."""
+    """Pruning pays: Batcher's sort of 20 has 103 comparators in 15 layers; the structural
+    pruning leaves 84 (what n = 21 still gets: 91 there), the exhaustive one 71 in 14 layers."""
     assert sum(len(layer) for layer in ra._batcher_layers(20)) == 103
-    assert sum(len(layer) for layer in partition_network(20)) == 84
-    assert len(partition_network(20)) == 15
+    assert sum(len(layer) for layer in partition_network(20)) == 71
+    assert len(partition_network(20)) == 14
+    assert sum(len(layer) for layer in partition_network(21)) == 91
     for n in range(1, 25):
         for layer in partition_network(n):
             wires = [w for c in layer for w in c]
@@ -331,6 +333,22 @@ def test_check_thresholds_matches_oracle(claim):
     np.testing.assert_array_equal(check_thresholds(_t(g), _t(lam), gamma).numpy(), oracle_check(g, lam, gamma))
 
 
+@given(threshold_claims())
+@settings(max_examples=60)
+def test_fedseca_checked_is_the_check_then_fedseca_on_the_accepted(claim):
+    """The servers' round on the twin: the oracle's verdict, then the oracle's FedSECA on the
+    accepted rows with their claims (None when every claim fails)."""
+    g, lam, gamma = claim
+    ok, agg = fedseca_checked(_t(g), _t(lam), gamma=gamma)
+    want = oracle_check(g, lam, gamma)
+    np.testing.assert_array_equal(ok.numpy(), want)
+    if not want.any():
+        assert agg is None
+        return
+    ref = oracle_fedseca(g[want], gamma, lam[want])["aggregate"]
+    np.testing.assert_allclose(agg.numpy(), ref, rtol=1e-12, atol=1e-12)
+
+
 def test_check_accepts_honest_clients_with_ties():
     """Ties at the quantile (common on the fixed-point grid) must not fail an honest client."""
     g = _t([[0.0] * 9 + [1.0], [0.5] * 10, [1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 3.0, 3.0]])
@@ -435,12 +453,26 @@ def test_check_thresholds_2pc_matches_twin(pair):
         if len(lam) > 1:
             lam[-1] = -lam[-1] if lam[-1] else -LSB
         cases.append({"g": g, "lam": lam, "gamma": case["gamma"]})
+    cases.append({"g": cases[0]["g"], "lam": -np.ones(len(cases[0]["lam"])), "gamma": 0.5})  # none right
     out0, out1 = pair.call(rap.check_cases, cases)
-    for case, got, got1 in zip(cases, out0, out1):
+    checked0, checked1 = pair.call(rap.checked_cases, cases)
+    for case, got, got1, (ok, agg), (ok1, agg1) in zip(cases, out0, out1, checked0, checked1):
         np.testing.assert_array_equal(got, got1)
         want = check_thresholds(_t(case["g"]), _t(case["lam"]), case["gamma"]).numpy()
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(got, oracle_check(case["g"], case["lam"], case["gamma"]))
+        # the servers' round: the same verdict from the shared sign call, then the aggregate of
+        # the accepted rows (within the fixed-point bound of the twin's)
+        np.testing.assert_array_equal(ok, want)
+        np.testing.assert_array_equal(ok1, want)
+        if not want.any():
+            assert agg is None and agg1 is None
+            continue
+        np.testing.assert_array_equal(agg, agg1)
+        g = case["g"][want]
+        twin = fedseca(_t(g), gamma=case["gamma"], thresholds=_t(case["lam"][want])).numpy()
+        assert np.all(np.abs(agg - twin) <= _tolerance(g)), (case, agg, twin)
+    assert any(0 < w.sum() < len(w) for w in out0)    # rows were dropped in some case
 
 
 def test_check_thresholds_2pc_rejects_thresholds_outside_the_bounded_range(pair):
