@@ -13,8 +13,9 @@ shared twice: additively in the ring, and bit by bit (XOR) in the bit-plane layo
 to, so party 1 again receives only its arithmetic share.
 
 A ``cmp_tables`` request yields a random r mod 2**32 (shares: the low 32 bits of each party's
-seed-derived ring element) and, XOR-shared, comparison tables of its 4-bit chunks
-(``comparison_tables``; ``mpc.table_compare`` uses them); only party 1's table share is sent.
+seed-derived ring element) and, XOR-shared, less-than tables of its 4-bit chunks
+(``comparison_tables``: 16 bytes an element; ``mpc.table_compare`` uses them); only party 1's
+table share is sent.
 
 A ``mask`` request is a uniform ring tensor a shared from the two seeds alone (the dealer sends
 only a share of sum(a * a)); a ``mask_matvec`` request refers back to masks by their request
@@ -357,35 +358,36 @@ def _count(size: tuple[int, ...]) -> int:
 
 
 TABLE_CHUNKS = 8      # 4-bit chunks of the 31 low bits of r (the top chunk has 3 bits)
-TABLE_WORDS = 4       # int64 words per element that carry its 8 uint32 tables
+TABLE_WORDS = 2       # int64 words per element that carry its 8 uint16 tables
 
 
 def comparison_tables(r: np.ndarray) -> np.ndarray:
-    """For the elements of ``r`` (uint32, n of them): ``TABLE_CHUNKS`` uint32 tables each, shape
+    """For the elements of ``r`` (uint32, n of them): ``TABLE_CHUNKS`` uint16 tables each, shape
     (8, n) (one contiguous row per chunk: the parties read a chunk's tables as one array).
 
     Table j describes chunk r_j = bits 4j..4j+3 of r (j = 7: bits 28..30): bit v (v < 16) is
-    [v < r_j] and bit 16 + v is [v == r_j], so a party holding a public chunk c_j reads its share
-    of both comparisons at bits c_j and 16 + c_j, with no communication. Bit 31 of table 7 (unused
-    by a 3-bit chunk) carries bit 31 of r, which a sign test needs beside the comparison.
+    [v < r_j], so a party holding a public chunk c_j reads its share of [c_j < r_j] at bit c_j
+    with no communication. [c_j == r_j] needs no table of its own: [v < r_j] is 1 up to r_j - 1
+    and 0 from r_j on, so [c == r_j] = [c - 1 < r_j] XOR [c < r_j], with [-1 < r_j] = 1 (a
+    public constant); XOR shares of it are two bits of the same table. Bit 15 of table 7
+    (unused by a 3-bit chunk) carries bit 31 of r, which a sign test needs beside the comparison.
     """
     r = np.asarray(r, dtype=np.uint32).reshape(-1)
-    out = np.empty((TABLE_CHUNKS, r.size), dtype=np.uint32)
-    one = np.uint32(1)
+    out = np.empty((TABLE_CHUNKS, r.size), dtype=np.uint16)
+    one = np.uint16(1)
     for j in range(TABLE_CHUNKS):
-        chunk = (r >> np.uint32(4 * j)) & np.uint32(7 if j == TABLE_CHUNKS - 1 else 15)
+        chunk = ((r >> np.uint32(4 * j)) & np.uint32(7 if j == TABLE_CHUNKS - 1 else 15)).astype(np.uint16)
         np.left_shift(one, chunk, out=out[j])
         out[j] -= one
-        out[j] |= np.left_shift(one, chunk + np.uint32(16))
-    out[TABLE_CHUNKS - 1] |= (r >> np.uint32(31)) << np.uint32(31)
+    out[TABLE_CHUNKS - 1] |= ((r >> np.uint32(31)) << np.uint32(15)).astype(np.uint16)
     return out
 
 
 def tables_as_words(tables: np.ndarray) -> np.ndarray:
-    """(8, n) uint32 tables as the (4, n) int64 tensor that travels (the same bytes)."""
+    """(8, n) uint16 tables as the (2, n) int64 tensor that travels (the same bytes)."""
     return tables.reshape(-1).view(np.int64).reshape(TABLE_WORDS, -1)
 
 
 def words_as_tables(words: np.ndarray) -> np.ndarray:
     """Inverse of ``tables_as_words``."""
-    return np.ascontiguousarray(words).reshape(-1).view(np.uint32).reshape(TABLE_CHUNKS, -1)
+    return np.ascontiguousarray(words).reshape(-1).view(np.uint16).reshape(TABLE_CHUNKS, -1)

@@ -13,16 +13,17 @@ signed 32-bit values; outside it a wrap can hide a flag (``docs/protocols.md``, 
 
 The sign test of u (32-bit, shared): the parties open c = u + r mod 2**32 for a dealer's random r
 (4 bytes each way: c is uniform). Then u = c - r and msb(u) = c_31 XOR r_31 XOR [c' < r'] with
-c', r' the low 31 bits. The dealer cuts r' into 4-bit chunks r_j and gives XOR shares of two tables
-per chunk, [v < r_j] and [v == r_j] for every v (``mpc.correlations.comparison_tables``); the public
-chunk c_j picks the entries, so the chunk comparisons cost nothing online. They are joined from the
+c', r' the low 31 bits. The dealer cuts r' into 4-bit chunks r_j and gives XOR shares of a table
+per chunk, [v < r_j] for every v (``mpc.correlations.comparison_tables``); the public chunk c_j
+picks the entry, and [c_j == r_j] = [c_j - 1 < r_j] XOR [c_j < r_j] is a second entry of the
+same table, so the chunk comparisons cost nothing online. They are joined from the
 lowest chunk up, lt = lt_j XOR (eq_j AND lt): 7 AND gates (7 rounds) per sign test. Then, per row,
 "no coordinate exceeds" is the AND of the 2m bits [y - |d| < 0] and [-y - |d| < 0]: an AND tree
 over words of 64 bits (about one gate per bit, log2 of the row's words + 6 rounds), and its one bit
 is opened. |d| is taken once per row in the 64-bit ring (a sign test and a product: rows values).
 
 Per coordinate, both directions: 2 x 8 bytes (two openings of c) + 2 x 7 x 4 bits (ripple) + about
-2 x 4 bits (tree) = about 24 bytes online; offline 2 x 32 bytes of tables to server 1 (r's share
+2 x 4 bits (tree) = about 24 bytes online; offline 2 x 16 bytes of tables to server 1 (r's share
 comes from the seeds) and the binary triples. What is opened: c (uniform), the AND gates' masked
 inputs (one-time pads), and the per-row answer.
 
@@ -95,17 +96,21 @@ def _negative_bits(u: np.ndarray, rank: int) -> torch.Tensor:
         packed = np.packbits(bits.view(np.uint8), bitorder="little")
         return torch.from_numpy(np.pad(packed, (0, -packed.size % 8)).view(np.int64))
 
-    one = np.uint32(1)
+    one = np.uint16(1)
     lt = None
     for j in range(TABLE_CHUNKS):
-        cj = (c >> np.uint32(4 * j)) & np.uint32(7 if j == TABLE_CHUNKS - 1 else 15)
-        less = plane(((t[j] >> cj) & one).astype(np.bool_))         # [c_j < r_j], XOR-shared
+        cj = ((c >> np.uint32(4 * j)) & np.uint32(7 if j == TABLE_CHUNKS - 1 else 15)).astype(np.uint16)
+        below = (t[j] >> cj) & one                                    # [c_j < r_j], XOR-shared
+        less = plane(below.astype(np.bool_))
         if lt is None:
             lt = less
             continue
-        equal = plane(((t[j] >> (cj + np.uint32(16))) & one).astype(np.bool_))
+        # [c_j == r_j] = [c_j - 1 < r_j] XOR [c_j < r_j]; [-1 < r_j] = 1 is public: party 0's bit
+        before = np.where(cj > 0, (t[j] >> (np.maximum(cj, one) - one)) & one,
+                          one if rank == 0 else np.uint16(0))
+        equal = plane((before ^ below).astype(np.bool_))
         lt = less ^ and_gates(equal, lt, min(n, 64))
-    top = (t[TABLE_CHUNKS - 1] >> np.uint32(31)).astype(np.bool_)   # r_31's share
+    top = (t[TABLE_CHUNKS - 1] >> np.uint16(15)).astype(np.bool_)   # r_31's share
     if rank == 0:
         top ^= (c >> np.uint32(31)).astype(np.bool_)                 # the public c_31
     return lt ^ plane(top)                                       # msb(u) = c_31 ^ r_31 ^ [c' < r']

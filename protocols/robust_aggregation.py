@@ -77,7 +77,7 @@ client (its threshold is right or not).
 Cost per call (2PC, dealer mode), measured per coordinate where it scales with D
 ----------------------------------------------------------------------------------
 A bounded test is ``mpc.table_compare.negative_bounded`` (9 rounds, 11.75 bytes online both
-directions, about 41 bytes of dealer material); a comparison the 64-bit sign test of
+directions, about 25 bytes of dealer material, 41 before the tables were halved); a comparison the 64-bit sign test of
 ``mpc.nonnegative`` (8 rounds, 75.25 bytes), only on K-sized values here; a zero test
 ``mpc.nonnegative.below_power_of_two`` on 2x (8 rounds, 47.75 bytes), only in the clip factors; a
 multiplication opens 2 x 8 bytes per party (32 bytes both directions; products by bits and

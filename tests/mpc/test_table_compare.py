@@ -116,10 +116,15 @@ def test_supported_in_dealer_mode(pair):
 @given(r=st.lists(st.one_of(st.integers(0, 2**32 - 1), st.sampled_from([0, 1, 15, 16, 2**31 - 1, 2**31, 2**32 - 1])),
                   min_size=1, max_size=40))
 def test_the_dealer_tables_describe_every_chunk(r):
-    from mpc.correlations import comparison_tables, tables_as_words, words_as_tables
+    """Each chunk's table is [v < r_j] for every v (16 bytes an element as they travel); the
+    parties read [c == r_j] as [c - 1 < r_j] XOR [c < r_j] with [-1 < r_j] = 1, checked here
+    against the chunk itself for every c."""
+    from mpc.correlations import TABLE_WORDS, comparison_tables, tables_as_words, words_as_tables
 
     arr = np.array(r, dtype=np.uint32)
-    tables = words_as_tables(tables_as_words(comparison_tables(arr)))   # as they travel
+    words = tables_as_words(comparison_tables(arr))
+    assert words.shape == (TABLE_WORDS, len(r)) == (2, len(r))
+    tables = words_as_tables(words)   # as they travel
     assert tables.shape == (8, len(r))
     for i, value in enumerate(r):
         for j in range(8):
@@ -128,8 +133,9 @@ def test_the_dealer_tables_describe_every_chunk(r):
             word = int(tables[j, i])
             for v in range(1 << width):
                 assert (word >> v) & 1 == (v < chunk)
-                assert (word >> (16 + v)) & 1 == (v == chunk)
-        assert int(tables[7, i]) >> 31 == value >> 31
+                before = 1 if v == 0 else (word >> (v - 1)) & 1
+                assert before ^ ((word >> v) & 1) == (v == chunk)
+        assert int(tables[7, i]) >> 15 == value >> 31
 
 
 # ------------------------------------------------------------------ negative_bounded
