@@ -13,6 +13,9 @@ Runs (``--runs``):
 * ``one`` (default): a single run; the dealer material of each step is fetched *inside* the
   step (its bytes are reported as the step's offline bytes, its time is in the step's seconds);
   the profile's link is applied to the server link and to the dealer link;
+* ``ahead``: a loopback run records the dealer's requests, then the measured run (the
+  profile's link on both links) has them fetched by a background thread while it computes,
+  as a daemon does from a robust round's second session on (``servers.secure.dealer_plans``);
 * ``three``: ``bench.offline.run_three``: a recording run, a compute run (material prefetched
   before each step, no emulated link: the seconds are online compute) and, with an emulated
   profile, a link run (prefetched, link applied). Closest to the paper's online/offline split,
@@ -71,6 +74,8 @@ def _warm_up() -> None:
 
 def _program(party, spec: dict, schedule) -> dict:
     torch.set_num_threads(1)
+    if spec.get("plan"):
+        party.fetch_ahead(spec["plan"], spec["ahead_bytes"])   # a daemon's second round on
     proxy = offline.instrument(party, schedule)
     g = synthetic_updates(spec["clients"], spec["dim"], spec["seed"])
     lam = quantile_thresholds(torch.from_numpy(g), spec["gamma"]).numpy()
@@ -90,6 +95,8 @@ def _program(party, spec: dict, schedule) -> dict:
         opened = B.reveal(agg)
     out["aggregate"] = opened.numpy() if party.rank == 0 else None
     out["report"] = offline.party_report(proxy)
+    out["plan"] = party.recorded_plan if party.rank == 1 else None
+    out["served_ahead"] = getattr(crypten.mpc.get_default_provider(), "served_ahead", 0)
     return out
 
 
@@ -139,9 +146,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="FedSECA: also run the servers' check of the clients' lambda_k (step 'check')")
     common_options.add_profile(p)
     common_options.add_offline(p)
-    p.add_argument("--runs", choices=("one", "three"), default="one",
-                   help="one: material fetched inside each step (default); three: record, compute, link runs "
-                        "with per-step prefetch (bench.offline.run_three)")
+    p.add_argument("--runs", choices=("one", "ahead", "three"), default="one",
+                   help="one: material fetched inside each step (default; a daemon's first round); ahead: a "
+                        "loopback run records the dealer requests, then the measured run fetches them in the "
+                        "background while it computes (a daemon's later rounds, servers/secure/dealer_plans.py); "
+                        "three: record, compute, link runs with per-step prefetch (bench.offline.run_three)")
+    p.add_argument("--ahead-mb", type=int, default=256,
+                   help="--runs ahead: MB of dealer material the background fetch may hold (default 256, "
+                        "the daemon's)")
     common_options.add_seed(p, "the synthetic updates")
     p.add_argument("--no-check", action="store_true", help="skip the comparison with the plaintext twin")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds a party waits for its peer")
@@ -164,13 +176,21 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     link = profile.link() if profile.emulated else None
     spec = {"clients": args.clients, "dim": args.dim, "aggregator": args.aggregator, "gamma": args.gamma,
             "lam": args.lam, "seed": args.seed,
-            "check": bool(args.check_thresholds and args.aggregator == "fedseca")}
+            "check": bool(args.check_thresholds and args.aggregator == "fedseca"),
+            "ahead_bytes": args.ahead_mb << 20}
     t0 = time.perf_counter()
     compute = None
-    if args.runs == "one":
+    if args.runs in ("one", "ahead"):
         kw = {"link": link, "dealer_link": link} if link is not None else {}
+        if args.runs == "ahead" and args.offline == "dealer":
+            first = run_parties(_program, spec, None, timeout=args.timeout, offline=args.offline)
+            spec = dict(spec, plan=first.values[1]["plan"])
+            t0 = time.perf_counter()   # the measured run is the second one
         res = run_parties(_program, spec, None, timeout=args.timeout, offline=args.offline, **kw)
         meters, values = res.meters, res.values
+        if spec.pop("plan", None) is not None:
+            # the background thread's bytes belong to no step: the recording run made the same requests
+            recorded = {name: st["offline_bytes"] for name, st in offline.summarize_steps(first.meters).items()}
     else:
         runs = offline.run_three(_program, (spec,), link=link, timeout=args.timeout,
                                  label=f"{args.aggregator} {args.clients}x{args.dim}",
@@ -182,10 +202,19 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     if compute is None and not profile.emulated:
         compute = offline.summarize_steps(meters)   # a loopback run is the compute run
     rows = _rows(meters, compute)
+    if args.runs == "ahead" and args.offline == "dealer":
+        for row in rows:
+            if row["step"] in recorded:
+                row["offline_bytes"] = recorded[row["step"]]
+                row["offline"] = human_bytes(row["offline_bytes"]) + " (ahead)"
+        total = rows[-1]
+        total["offline_bytes"] = sum(recorded.values())
+        total["offline"] = human_bytes(total["offline_bytes"]) + " (ahead)"
     result = {"machine": machine_info(), "spec": spec, "profile": profile.to_json(), "runs": args.runs,
               "link": "transport emulation (net.link.LinkProfile)" if link is not None else "loopback",
               "wall_s": wall, "steps": rows,
-              "peak_rss_bytes": [v["report"]["peak_rss_bytes"] for v in values]}
+              "peak_rss_bytes": [v["report"]["peak_rss_bytes"] for v in values],
+              "served_ahead": values[1]["served_ahead"]}
     if spec["check"]:
         result["thresholds_accepted"] = int(np.sum(values[0]["check"]))
     if not args.no_check:
@@ -204,6 +233,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         cols.append("lan_model_s")
     print(f"{args.aggregator}, K = {args.clients}, D = {args.dim:,}, {profile.describe()}, runs: {args.runs}")
     print(markdown_table(rows, cols))
+    if args.runs == "ahead":
+        print(f"dealer corrections served by the background fetch: {result['served_ahead']}")
     print(f"wall {wall:.1f} s; peak RSS per party "
           + ", ".join(human_bytes(b) for b in result["peak_rss_bytes"]))
     for key in ("twin_max_error", "twin_within_bound", "twin_equal", "thresholds_accepted"):

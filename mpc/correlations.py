@@ -32,13 +32,15 @@ pickled objects), so they can be sent to the dealer and recorded as a plan.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from typing import Any
 
 import numpy as np
 import torch
 
 from . import bitplanes
-from common.prg import Prg
+from common.prg import SEED_BYTES, Prg
 
 # Ops for which a party may ask for a Beaver triple c = op(a, b); torch computes them
 # on int64 with wrap-around, which is arithmetic mod 2^64.
@@ -213,9 +215,22 @@ def _wraps(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return up.long() - down.long()
 
 
+_DOMAIN = b"starfish/correlation/v2/"
+
+
+def request_prg(seed: bytes, index: int, req: tuple) -> Prg:
+    """The PRG of request number ``index`` for request ``req``: keyed by HMAC-SHA256(seed,
+    index || req), so a number asked for again with another request (material fetched ahead
+    from a plan that turned out wrong, ``mpc.dealer_provider``) draws unrelated randomness,
+    and no share of a mask ever serves two different correlations. ``req`` is canonical
+    (``make_request``/``validate``), so the two parties and the dealer key alike."""
+    key = hmac.new(seed, _DOMAIN + int(index).to_bytes(8, "big") + repr(req).encode(), hashlib.sha256)
+    return Prg(key.digest()[:SEED_BYTES], index)
+
+
 def party0_shares(req: tuple, seed0: bytes, index: int) -> tuple[torch.Tensor, ...]:
     """Party 0's complete shares for request ``index`` (no dealer message needed)."""
-    g = Prg(seed0, index)
+    g = request_prg(seed0, index, req)
     kind = req[0]
     if kind == "triple":
         return _t(g.ring(req[1])), _t(g.ring(req[2])), _t(g.ring(_op_result_shape(req)))
@@ -243,7 +258,7 @@ def party0_shares(req: tuple, seed0: bytes, index: int) -> tuple[torch.Tensor, .
 
 def party1_free_shares(req: tuple, seed1: bytes, index: int) -> tuple[torch.Tensor, ...]:
     """The part of party 1's shares it can derive alone (everything but the correction)."""
-    g = Prg(seed1, index)
+    g = request_prg(seed1, index, req)
     kind = req[0]
     if kind == "triple":
         return _t(g.ring(req[1])), _t(g.ring(req[2]))
@@ -314,7 +329,8 @@ def correction(req: tuple, seed0: bytes, seed1: bytes, index: int,
 
 def mask_value(size: tuple[int, ...], seed0: bytes, seed1: bytes, index: int) -> torch.Tensor:
     """The mask of ``mask`` request ``index``: the sum of the two parties' seed-derived shares."""
-    return _t(Prg(seed0, index).ring(size)) + _t(Prg(seed1, index).ring(size))
+    req = make_request("mask", size)
+    return _t(request_prg(seed0, index, req).ring(req[1])) + _t(request_prg(seed1, index, req).ring(req[1]))
 
 
 def party1_shares(req: tuple, seed1: bytes, index: int, corr: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -4,14 +4,19 @@ CrypTen asks its provider for triples, squares, binary triples and random bits. 
 servers make the same calls in the same order (the sizes never depend on data), so a
 running request index keeps them and the dealer in step. Party 0 derives everything
 from its seed; party 1 derives its free shares and takes the correction from the dealer,
-either per request (online fetch) or from a cache filled before the online phase
-(``prefill`` with a plan recorded in an earlier run). Every request is recorded, which
-is how such a plan is obtained.
+either per request (online fetch), from a cache filled before the online phase
+(``prefill`` with a plan recorded in an earlier run), or from a bounded buffer that a
+background thread fills while the session computes (``fetch_ahead``, the same kind of plan:
+the dealer's link and work then overlap the parties' own). Every request is recorded, which
+is how such a plan is obtained. A plan is a guess, never trusted: a request that differs
+from it is answered afresh (its number keyed by the request itself, ``correlations.request_prg``,
+so the material fetched for the guess is unrelated to it).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -39,20 +44,44 @@ class DealerProvider(TupleProviderBase):
         self._cache: dict[int, tuple[tuple, tuple[torch.Tensor, ...]]] = {}
         self.recorded: list[tuple] = []
         self.cache_misses = 0
+        self.served_ahead = 0          # corrections taken from the background fetch (this session)
+        self._ahead: _Ahead | None = None
 
     def attach(self, rank: int, link: DealerLink) -> None:
+        self._stop_ahead()
         self._link, self._rank, self._seed = link, rank, link.seed
         self._index, self._cache, self.recorded, self.cache_misses = 0, {}, [], 0
-        self._mask_next, self._stream_cache = correlations.MASK_STREAM, {}
+        self._mask_next, self._stream_cache, self.served_ahead = correlations.MASK_STREAM, {}, 0
 
     def detach(self) -> None:
+        # no waiting here: the session closes the link next, which ends a fetch in flight
+        if self._ahead is not None:
+            self._ahead.stop(wait=False)
+            self._ahead = None
         self._link = None
+
+    def fetch_ahead(self, plan: list[tuple], budget_bytes: int = 256 << 20) -> None:
+        """Fetch the corrections of the next ``len(plan)`` requests in a background thread while
+        the session computes, holding at most ``budget_bytes`` of them at once. Party 1 only
+        (party 0 derives its shares from its seed and fetches nothing). A request that differs
+        from the plan stops the thread; it and every later request are answered as usual."""
+        if self._rank != 1 or not plan:
+            return
+        self._stop_ahead()
+        plan = [correlations.validate(r) for r in plan]
+        self._ahead = _Ahead(self._require_link(), self._index, plan, budget_bytes)
+
+    def _stop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead.stop()
+            self._ahead = None
 
     # ----------------------------------------------------------------- offline
     def prefill(self, plan: list[tuple]) -> None:
         """Fetch/derive the shares of the next ``len(plan)`` requests ahead of time."""
         start = self._index
         plan = [correlations.validate(r) for r in plan]
+        self._stop_ahead()
         if self._rank == 0:
             shares = [correlations.party0_shares(r, self._seed, start + k) for k, r in enumerate(plan)]
         else:
@@ -83,7 +112,15 @@ class DealerProvider(TupleProviderBase):
             log.warning("dealer plan mismatch at request %d: planned %s, got %s", i, cached[0][:1], req[:1])
         if self._rank == 0:
             return correlations.party0_shares(req, self._seed, i)
-        corr = self._link.get(i, req)
+        corr = None
+        if self._ahead is not None:
+            corr = self._ahead.take(i, req)
+            if corr is None:          # off the plan: the thread has stopped, the link is ours
+                self._ahead = None
+            else:
+                self.served_ahead += 1
+        if corr is None:
+            corr = self._link.get(i, req)
         return correlations.party1_shares(req, self._seed, i, corr)
 
     def generate_additive_triple(self, size0, size1, op, device=None, *args, **kwargs):
@@ -125,6 +162,7 @@ class DealerProvider(TupleProviderBase):
             self._mask_next += len(reqs)
             return [(start + k, r[1]) for k, r in enumerate(ready)]
         self._stream_cache.clear()   # not what was fetched ahead (both parties see the same): derive afresh
+        self._stop_ahead()           # the link is needed here: no thread may use it meanwhile
         self._mask_next += len(reqs)
         if self._rank == 0:
             return [(start + k, correlations.party0_shares(r, self._seed, start + k)) for k, r in enumerate(reqs)]
@@ -136,6 +174,7 @@ class DealerProvider(TupleProviderBase):
         """Fetch the next ``reqs`` of the mask stream ahead of the step that will ask for them
         (their material is offline work: ``Replay`` meters it as the step's offline part)."""
         reqs = [correlations.validate(r) for r in reqs]
+        self._stop_ahead()
         start = self._mask_next
         if self._rank == 0:
             shares = [correlations.party0_shares(r, self._seed, start + k) for k, r in enumerate(reqs)]
@@ -166,3 +205,78 @@ class DealerProvider(TupleProviderBase):
     def B2A_rng(self, size, device=None):
         ra, rb = self._shares(correlations.make_request("b2a_rng", size))
         return AST.from_shares(ra, precision=0), BST.from_shares(rb, precision=0)
+
+
+class _Ahead:
+    """Party 1's background fetch of a plan's corrections (``DealerProvider.fetch_ahead``).
+
+    The thread owns the dealer link until it stops: it asks for the plan in pieces of at most
+    ``budget / 4`` bytes and waits while ``budget`` bytes are unclaimed. ``take`` hands out
+    request ``i``'s correction once it has arrived; a request off the plan stops the thread
+    (after its piece in flight) and returns None.
+    """
+
+    def __init__(self, link: DealerLink, start: int, plan: list[tuple], budget: int) -> None:
+        self._link, self._start, self._plan, self._budget = link, start, plan, max(1, budget)
+        self._ready: dict[int, torch.Tensor] = {}
+        self._held = 0
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="dealer-ahead", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _nbytes(req: tuple) -> int:
+        n = 8
+        for d in correlations.correction_shape(req):
+            n *= int(d)
+        return n
+
+    def _run(self) -> None:
+        try:
+            k = 0
+            while k < len(self._plan):
+                piece, size = [], 0
+                while k + len(piece) < len(self._plan) and (not piece or size < self._budget // 4):
+                    req = self._plan[k + len(piece)]
+                    piece.append(req)
+                    size += self._nbytes(req)
+                with self._cond:
+                    while not self._stopping and self._held > 0 and self._held + size > self._budget:
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                corrs = self._link.prefill(self._start + k, piece)
+                with self._cond:
+                    for off, corr in enumerate(corrs):
+                        self._ready[self._start + k + off] = corr
+                    self._held += size
+                    self._cond.notify_all()
+                k += len(piece)
+        except BaseException as exc:   # handed to the computing thread by ``take``
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def take(self, index: int, req: tuple) -> torch.Tensor | None:
+        pos = index - self._start
+        if not (0 <= pos < len(self._plan)) or self._plan[pos] != req:
+            self.stop()
+            return None
+        with self._cond:
+            while index not in self._ready and self._error is None:
+                self._cond.wait()
+            if index not in self._ready:
+                raise self._error
+            corr = self._ready.pop(index)
+            self._held -= self._nbytes(req)
+            self._cond.notify_all()
+            return corr
+
+    def stop(self, wait: bool = True) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if wait:
+            self._thread.join()

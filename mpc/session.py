@@ -105,6 +105,19 @@ class Party:
             raise RuntimeError("prefill needs the dealer provider")
         _provider.prefill(plan)
 
+    @property
+    def served_ahead(self) -> int:
+        """Dealer corrections this session took from the background fetch (``fetch_ahead``)."""
+        return _provider.served_ahead if self.offline is OfflineMode.DEALER else 0
+
+    def fetch_ahead(self, plan: list[tuple], budget_bytes: int = 256 << 20) -> None:
+        """Have the dealer material of ``plan`` (a ``recorded_plan`` of an earlier run of the same
+        program) fetched in the background while this session computes, at most
+        ``budget_bytes`` held at once. Dealer mode only; elsewhere nothing to fetch (a no-op).
+        A plan that turns out wrong costs nothing but the fetch: the rest is made on demand."""
+        if self.offline is OfflineMode.DEALER:
+            _provider.fetch_ahead(plan, budget_bytes)
+
     def wrap_share(self, share, precision: int = DEFAULT_PRECISION):
         """This party's ring share (numpy int64 or torch long) as a CrypTen MPCTensor."""
         if isinstance(share, np.ndarray):

@@ -160,10 +160,10 @@ class RoundCoordinator:
         tot = opened.meters["total"]
         # one parseable line per round (the demo reports the per-round cost from it)
         log.info("round %d aggregated by %s in 2PC: %d clients checked, %d kept; online_bytes=%d "
-                 "offline_bytes=%d rounds=%d seconds=%.3f", r, self.cfg.fl.aggregator, len(parts),
-                 len(opened.participants), tot["online_bytes_sent"] + tot["online_bytes_received"],
+                 "offline_bytes=%d rounds=%d seconds=%.3f served_ahead=%d", r, self.cfg.fl.aggregator,
+                 len(parts), len(opened.participants), tot["online_bytes_sent"] + tot["online_bytes_received"],
                  tot.get("offline_bytes_sent", 0) + tot.get("offline_bytes_received", 0),
-                 tot["online_rounds"], time.monotonic() - t0)
+                 tot["online_rounds"], time.monotonic() - t0, opened.served_ahead)
         return record, opened.vector
 
     def _robust_rule(self, r: int, record: dict, vector: np.ndarray) -> tuple[np.ndarray, dict]:

@@ -34,6 +34,7 @@ from common.service_config import ServiceConfig
 from protocols.backend import reveal, stack
 from protocols.robust_aggregation import brace_sign, fedseca_checked
 
+from servers.secure import dealer_plans
 from servers.secure.robust_steps import brace_vote_lambda
 from servers.secure.round_checks import open_round_session
 from servers.store.share_store import ShareStore
@@ -44,13 +45,15 @@ __all__ = ["OpenedAggregate", "aggregate_round_uploads", "aggregate_digest"]
 @dataclass(frozen=True)
 class OpenedAggregate:
     """What a robust round's session opened: who entered the aggregate, whose threshold was
-    wrong, the aggregate itself (None if no client was left), and the session's meters."""
+    wrong, the aggregate itself (None if no client was left), the session's meters, and how
+    many dealer corrections came from the background fetch (``dealer_plans``)."""
 
     checked: tuple[int, ...]
     participants: tuple[int, ...]
     threshold_refused: tuple[int, ...]
     vector: np.ndarray | None
     meters: dict
+    served_ahead: int = 0
 
 
 def aggregate_digest(vector: np.ndarray) -> str:
@@ -72,6 +75,10 @@ def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, ro
     try:
         prec = store.precision
         rows = [party.wrap_share(store.staged_upload(round_no, j).update, precision=prec) for j in parts]
+        # the requests depend on these public values only (module doc of dealer_plans)
+        plan_key = (f"aggregate:{fl.aggregator}:{len(parts)}:{int(rows[0].share.numel())}:{prec}:"
+                    f"{fl.fedseca_gamma}:{brace_vote_lambda(fl, len(parts))}")
+        party.fetch_ahead(dealer_plans.recall(plan_key), dealer_plans.AHEAD_BYTES)
         kept = list(range(len(parts)))
         vector = None
         if fl.aggregator == "fedseca":
@@ -92,7 +99,9 @@ def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, ro
             with party.meter("open"):
                 vector = reveal(agg).numpy().astype(np.float64).reshape(-1)
         meters = party.meters()
+        served = party.served_ahead
+        dealer_plans.remember(plan_key, party.recorded_plan)
     finally:
         party.close()
     return OpenedAggregate(tuple(parts), tuple(parts[k] for k in kept),
-                           tuple(j for k, j in enumerate(parts) if k not in kept), vector, meters)
+                           tuple(j for k, j in enumerate(parts) if k not in kept), vector, meters, served)

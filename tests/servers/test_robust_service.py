@@ -210,6 +210,25 @@ def test_brace_sign_models_equal_the_plaintext_twin_exactly(brace_run):
         assert run["meta"][r]["rule"]["t"] == r and run["info"][r]["aggregator"] == "brace-sign"
 
 
+def test_later_rounds_fetch_the_dealer_material_ahead(fedseca_run, brace_run):
+    """A round's 2PC session with the same shapes as the last one has server 1 fetch the last
+    one's dealer requests in the background (``servers.secure.dealer_plans``): nothing in round 1,
+    all of it from round 2 on when the participants are the same (BRACE), some of it when the
+    round's requests part from the plan (FedSECA's round 2 leaves a wrong threshold out). The
+    models equal the twins' in the tests above, so what was fetched ahead was right."""
+    def served(run, aggregator):
+        found = re.findall(rf"round (\d+) aggregated by {aggregator} in 2PC: .* served_ahead=(\d+)",
+                           run["logs"][1])
+        return {int(r): int(n) for r, n in found}
+
+    brace = served(brace_run, "brace-sign")
+    assert brace[1] == 0 and all(brace[r] > 0 for r in range(2, ROUNDS + 1)), brace
+    fed = served(fedseca_run, "fedseca")
+    assert fed[1] == 0 and fed[2] > 0, fed
+    assert all(re.search(r"served_ahead=0\b", line) for line in fedseca_run["logs"][0].splitlines()
+               if "aggregated by" in line)   # server 0 derives its shares: it fetches nothing
+
+
 def test_uploads_carry_a_threshold_exactly_where_fedseca_needs_one(fedseca_run, brace_run):
     code, msg = fedseca_run["refusals"]["fedseca"]
     assert code == "bad_request" and "needs `threshold`" in msg
