@@ -21,15 +21,25 @@ from .comparator_networks import negative as _neg
 from .fedseca_thresholds import (Meter, check_gamma as _check_gamma, no_meter as _no_meter,
                                  prepare as _prepare, quantile_thresholds)
 
-__all__ = ["secure_quantile_thresholds", "QUANTILE_STEP_BITS"]
+__all__ = ["secure_quantile_thresholds", "quantile_step_bits", "QUANTILE_STEP_BITS",
+           "QUANTILE_LARGE_ENTRIES"]
 
 
 #: bits of the secure quantile's search: an admissible |g| is below 2**14, a ring integer below 2**30
 _QUANTILE_BITS = 30
-#: bits decided per step of the search (2**r - 1 candidates a step): 2 halves the rounds of 1
-#: (15 steps, not 30) for 1.5 times its bytes; the rounds dominate on the small models the
-#: service tests run, and the two are within 2x either way on the MNIST shapes (docs/unlearning.md)
+#: bits decided per step of the search (2**r - 1 candidates a step) below
+#: ``QUANTILE_LARGE_ENTRIES`` entries: 2 halves the rounds of 1 (15 steps, not 30) for 1.5 times
+#: its bytes, and the rounds dominate on the small models the service tests run
 QUANTILE_STEP_BITS = 2
+#: from this many entries (K x D) on, one bit a step: a step's call then moves at least ~12 MB
+#: (11.75 bytes a test), more than its 18 rounds cost on LAN (1.5 ms) or WAN (0.65 s at
+#: 100 Mbit/s and 36 ms one way), so a third fewer tests beat half the rounds
+QUANTILE_LARGE_ENTRIES = 1 << 20
+
+
+def quantile_step_bits(K: int, D: int) -> int:
+    """The search's bits per step for a K x D matrix (see the two constants above)."""
+    return 1 if K * D >= QUANTILE_LARGE_ENTRIES else QUANTILE_STEP_BITS
 
 
 def secure_quantile_thresholds(G: Tensor, gamma: float = FEDSECA_GAMMA,
@@ -47,18 +57,19 @@ def secure_quantile_thresholds(G: Tensor, gamma: float = FEDSECA_GAMMA,
     (-2**31, 2**30): exact) and one on the (2**r - 1) K counts; plus one call for [g < 0] and
     one product for |g| before. The result is exactly the twin's order statistic of the same
     encoded values, a share on the 2**-16 grid in [0, 2**14) (what :func:`fedseca` needs).
-    Cost (r = 2): 46 K D + 45 K bounded tests, K D products, 32 comparison calls (about 290
-    rounds). Inputs with |g| >= 2**14 give a wrong lambda, never a revealed one (only
+    Cost (r = 2, the default below 2**20 entries): 46 K D + 45 K bounded tests, K D products,
+    32 comparison calls (about 290 rounds); (r = 1, the default from 2**20 entries on, e.g.
+    MNIST's 19 x 582,026): 31 K D + 30 K bounded tests, 62 calls (about 560 rounds). Inputs with |g| >= 2**14 give a wrong lambda, never a revealed one (only
     one-time-padded values are opened). ``meter``: the whole search is the step "quantile".
     """
     _check_gamma(gamma)
     G = _prepare(G)
     if not B.is_shared(G):
         return quantile_thresholds(G, gamma)
-    r = QUANTILE_STEP_BITS if step_bits is None else int(step_bits)
+    K, D = int(G.shape[0]), int(G.shape[1])
+    r = quantile_step_bits(K, D) if step_bits is None else int(step_bits)
     if not 1 <= r <= 4:
         raise ValueError(f"step_bits must be in 1..4, got {step_bits!r}")
-    K, D = int(G.shape[0]), int(G.shape[1])
     with (meter or _no_meter)("quantile"):
         if D == 0:
             return B.share_public(torch.zeros(K, dtype=torch.float64))

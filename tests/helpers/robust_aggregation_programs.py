@@ -67,10 +67,11 @@ def fedseca_once(party, g: np.ndarray, lam: np.ndarray) -> None:
     fedseca_parts(_shared(g, 0), thresholds=_shared(lam, 1))
 
 
-def quantile_cases(party, cases: list) -> list:
+def quantile_cases(party, cases: list, step_bits: int | None = None) -> list:
     """``secure_quantile_thresholds`` on party 0's updates, opened for the comparison."""
     from protocols.secure_quantile import secure_quantile_thresholds
-    return [_open(secure_quantile_thresholds(_shared(c["g"], 0), c["gamma"])) for c in cases]
+    return [_open(secure_quantile_thresholds(_shared(c["g"], 0), c["gamma"], step_bits=step_bits))
+            for c in cases]
 
 
 def replay_combine_rounds(party, rounds: list, rules: dict) -> list:

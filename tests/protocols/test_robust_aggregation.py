@@ -24,7 +24,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from protocols import robust_aggregation as ra
-from protocols.secure_quantile import secure_quantile_thresholds
+from protocols.secure_quantile import QUANTILE_STEP_BITS, quantile_step_bits, secure_quantile_thresholds
 from protocols.robust_aggregation import (brace_sign, check_thresholds, fedseca, fedseca_checked,
                                           fedseca_elected_signs, fedseca_parts, median_network, momentum, partition_network,
                                           quantile_thresholds)
@@ -521,3 +521,14 @@ def test_secure_quantile_2pc_is_the_order_statistic(pair):
         np.testing.assert_array_equal(lam, lam1)
         np.testing.assert_array_equal(lam, oracle_threshold(case["g"], case["gamma"]))
         np.testing.assert_array_equal(lam, secure_quantile_thresholds(_t(case["g"]), case["gamma"]).numpy())
+    # one bit a step (what matrices of 2**20 entries and more get): the same order statistic
+    few = [cases[0]] + cases[-2:]
+    got, _ = pair.call(rap.quantile_cases, few, 1)
+    for case, lam in zip(few, got):
+        np.testing.assert_array_equal(lam, oracle_threshold(case["g"], case["gamma"]))
+
+
+def test_the_quantile_search_takes_one_bit_a_step_on_large_matrices():
+    assert quantile_step_bits(19, 582026) == 1 and quantile_step_bits(4, 1 << 18) == 1
+    assert quantile_step_bits(5, 10000) == QUANTILE_STEP_BITS == 2
+    assert quantile_step_bits(1, (1 << 20) - 1) == 2
