@@ -28,6 +28,8 @@ from .dealer import DealerLink
 
 NAME = "STARFISH_DEALER"
 log = logging.getLogger("starfish.provider")
+#: seconds a closing session waits for the background fetch to leave the dealer link
+DETACH_WAIT = 30.0
 
 
 class DealerProvider(TupleProviderBase):
@@ -54,9 +56,14 @@ class DealerProvider(TupleProviderBase):
         self._mask_next, self._stream_cache, self.served_ahead = correlations.MASK_STREAM, {}, 0
 
     def detach(self) -> None:
-        # no waiting here: the session closes the link next, which ends a fetch in flight
+        # the session closes the link next (party 1 says bye on it): the thread must be off it
+        # first, since one TLS connection takes no two writers. It ends after its piece in
+        # flight (at most ``_Ahead.PIECE`` bytes); a dealer that stopped answering is waited for
+        # at most ``DETACH_WAIT`` seconds, then the close goes ahead and ends the fetch
         if self._ahead is not None:
-            self._ahead.stop(wait=False)
+            if not self._ahead.stop(timeout=DETACH_WAIT):
+                log.warning("dealer fetch-ahead still waiting on the dealer after %.0f s; closing the link",
+                            DETACH_WAIT)
             self._ahead = None
         self._link = None
 
@@ -211,10 +218,13 @@ class _Ahead:
     """Party 1's background fetch of a plan's corrections (``DealerProvider.fetch_ahead``).
 
     The thread owns the dealer link until it stops: it asks for the plan in pieces of at most
-    ``budget / 4`` bytes and waits while ``budget`` bytes are unclaimed. ``take`` hands out
+    ``min(budget / 4, PIECE)`` bytes and waits while ``budget`` bytes are unclaimed. ``take`` hands out
     request ``i``'s correction once it has arrived; a request off the plan stops the thread
     (after its piece in flight) and returns None.
     """
+
+    #: bytes of corrections asked for in one message: a stop waits for at most one such piece
+    PIECE = 32 << 20
 
     def __init__(self, link: DealerLink, start: int, plan: list[tuple], budget: int) -> None:
         self._link, self._start, self._plan, self._budget = link, start, plan, max(1, budget)
@@ -238,7 +248,8 @@ class _Ahead:
             k = 0
             while k < len(self._plan):
                 piece, size = [], 0
-                while k + len(piece) < len(self._plan) and (not piece or size < self._budget // 4):
+                limit = min(self._budget // 4, self.PIECE)
+                while k + len(piece) < len(self._plan) and (not piece or size < limit):
                     req = self._plan[k + len(piece)]
                     piece.append(req)
                     size += self._nbytes(req)
@@ -274,9 +285,11 @@ class _Ahead:
             self._cond.notify_all()
             return corr
 
-    def stop(self, wait: bool = True) -> None:
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop fetching and wait for the thread (at most ``timeout`` seconds); True once it
+        has left the link."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if wait:
-            self._thread.join()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()

@@ -25,3 +25,12 @@ def mixed(party, x: np.ndarray, y: np.ndarray, plan=None, budget: int = 256 << 2
     picked = bits * prod
     out = {"prod": B.reveal(prod).numpy(), "bits": B.reveal(bits).numpy(), "picked": B.reveal(picked).numpy()}
     return out, list(prov.recorded[first:]), prov.served_ahead - served
+
+
+def close_while_fetching(party, x: np.ndarray, y: np.ndarray, plan: list):
+    """Ask for a plan far longer than the program, compute, and let the session close while the
+    background fetch is still on the dealer link (the close must wait for it, not race it)."""
+    if plan:
+        party.fetch_ahead(plan, 1 << 30)
+    out, _, served = mixed(party, x, y)
+    return out, served

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpc import correlations
+from mpc.launcher import run_parties
 from tests.helpers import dealer_ahead_programs as dap
 
 LSB = 2.0 ** -16
@@ -58,6 +59,18 @@ def test_a_recorded_plan_is_served_ahead_and_a_wrong_one_only_costs_its_fetch(pa
     (out0, _, _), (_, _, served3) = pair.call(dap.mixed, x4, y4)
     _assert_right(out0, x4, y4)
     assert served3 == 0
+
+
+def test_a_session_closes_cleanly_while_material_is_still_fetched_ahead():
+    """The session ends with most of a long plan unfetched, the thread busy on the dealer link:
+    party 1's close waits for its piece in flight, says bye, and the results are right."""
+    x, y = _inputs(5, 2000)
+    rec = run_parties(dap.mixed, x, y, timeout=120).values[1][1]     # the requests of one run
+    tail = [correlations.make_request("cmp_tables", (1 << 21,))] * 16     # 512 MB, never asked for
+    res = run_parties(dap.close_while_fetching, x, y, rec + tail, timeout=120)
+    out, served = res.values[0][0], res.values[1][1]
+    _assert_right(out, x, y)
+    assert served == len(rec)
 
 
 _requests = st.one_of(
