@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import random
 import socket
 import tomllib
 from dataclasses import dataclass, field
@@ -394,15 +395,44 @@ def render_config(cfg: ServiceConfig, keys_dir: str = "keys") -> str:
     return "\n".join(lines)
 
 
+#: scratch deployments take their ports from here, below the kernel's ephemeral range
+_SCRATCH_PORTS = (20000, 32767)
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the source ports of outgoing connections (Linux; else IANA's)."""
+    try:
+        lo, hi = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_loopback_ports(n: int) -> list[int]:
     """``n`` distinct ports that were free on 127.0.0.1 a moment ago (for scratch deployments).
 
-    Bound all at once so they are distinct; a port could be taken by someone else before
-    the daemon binds it, in which case the daemon fails with "address in use".
+    Chosen at random below the ephemeral range where that range leaves room: a port picked
+    inside it (``bind(0)``) can be taken by any outgoing connection of the machine before the
+    daemon binds it, which failed a service test on CI ("address already in use"). Bound all
+    at once so they are distinct; another process that binds the same port first still makes
+    the daemon fail with "address in use".
     """
-    socks = []
+    low, high = _SCRATCH_PORTS
+    high = min(high, _ephemeral_ports()[0] - 1)
+    rng = random.SystemRandom()
+    socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        for _ in range(64 * n if high - low >= 16 * n else 0):
+            if len(socks) == n:
+                break
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind(("127.0.0.1", rng.randint(low, high)))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < n:      # no room below the ephemeral range: let the kernel choose
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind(("127.0.0.1", 0))
             socks.append(s)
