@@ -15,8 +15,11 @@ Kept in memory only: a restarted daemon's first round fetches on demand, as befo
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
-__all__ = ["recall", "remember", "forget_all", "AHEAD_BYTES"]
+__all__ = ["fetched_ahead", "recall", "remember", "forget_all", "AHEAD_BYTES"]
 
 #: dealer material server 1 may hold ahead of use: a FedSECA round on the MNIST shapes ran its
 #: steps in 66 s with 256 MB and 58 s with 1 GB (peak RSS 3.7 and 4.3 GB; bench/README.md)
@@ -46,3 +49,12 @@ def remember(key: str, plan: list[tuple]) -> None:
 
 def forget_all() -> None:
     _plans.clear()
+
+
+@contextmanager
+def fetched_ahead(party: Any, key: str) -> Iterator[None]:
+    """Within this block, ``party``'s session fetches the last plan kept under ``key`` ahead of
+    use; once the block completes, the session's own requests become that plan."""
+    party.fetch_ahead(recall(key), AHEAD_BYTES)
+    yield
+    remember(key, party.recorded_plan)

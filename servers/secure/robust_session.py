@@ -76,32 +76,37 @@ def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, ro
         prec = store.precision
         rows = [party.wrap_share(store.staged_upload(round_no, j).update, precision=prec) for j in parts]
         # the requests depend on these public values only (module doc of dealer_plans)
-        plan_key = (f"aggregate:{fl.aggregator}:{len(parts)}:{int(rows[0].share.numel())}:{prec}:"
+        plan_key = (f"aggregate:{fl.aggregator}:{len(parts)}:{store.dim}:{prec}:"
                     f"{fl.fedseca_gamma}:{brace_vote_lambda(fl, len(parts))}")
-        party.fetch_ahead(dealer_plans.recall(plan_key), dealer_plans.AHEAD_BYTES)
-        kept = list(range(len(parts)))
-        vector = None
-        if fl.aggregator == "fedseca":
-            thresholds = [store.staged_threshold(round_no, j) for j in parts]
-            missing = [j for j, t in zip(parts, thresholds) if t is None]
-            if missing:
-                # cannot happen through the client API, which requires the threshold here
-                raise ValueError(f"round {round_no}: clients {missing} staged no threshold")
-            lams = [party.wrap_share(t.reshape(1), precision=prec) for t in thresholds]
-            with party.meter("aggregate"):
-                ok, agg = fedseca_checked(stack(rows), stack(lams).reshape(-1),
-                                          gamma=fl.fedseca_gamma, meter=party.meter)
-            kept = [k for k, good in enumerate(ok.tolist()) if good]
-        else:
-            with party.meter("aggregate"):
-                agg = brace_sign(stack(rows), lam=brace_vote_lambda(fl, len(parts)))
-        if kept:
-            with party.meter("open"):
-                vector = reveal(agg).numpy().astype(np.float64).reshape(-1)
+        with dealer_plans.fetched_ahead(party, plan_key):
+            kept, vector = _aggregate(party, fl, store, round_no, parts, rows, prec)
         meters = party.meters()
         served = party.served_ahead
-        dealer_plans.remember(plan_key, party.recorded_plan)
     finally:
         party.close()
     return OpenedAggregate(tuple(parts), tuple(parts[k] for k in kept),
                            tuple(j for k, j in enumerate(parts) if k not in kept), vector, meters, served)
+
+
+def _aggregate(party, fl, store: ShareStore, round_no: int, parts: list[int], rows: list,
+               prec: int) -> tuple[list[int], np.ndarray | None]:
+    """The rule on the shares: (the kept participants' positions, the opened vector or None)."""
+    kept = list(range(len(parts)))
+    if fl.aggregator == "fedseca":
+        thresholds = [store.staged_threshold(round_no, j) for j in parts]
+        missing = [j for j, t in zip(parts, thresholds) if t is None]
+        if missing:
+            # cannot happen through the client API, which requires the threshold here
+            raise ValueError(f"round {round_no}: clients {missing} staged no threshold")
+        lams = [party.wrap_share(t.reshape(1), precision=prec) for t in thresholds]
+        with party.meter("aggregate"):
+            ok, agg = fedseca_checked(stack(rows), stack(lams).reshape(-1),
+                                      gamma=fl.fedseca_gamma, meter=party.meter)
+        kept = [k for k, good in enumerate(ok.tolist()) if good]
+    else:
+        with party.meter("aggregate"):
+            agg = brace_sign(stack(rows), lam=brace_vote_lambda(fl, len(parts)))
+    if not kept:
+        return kept, None
+    with party.meter("open"):
+        return kept, reveal(agg).numpy().astype(np.float64).reshape(-1)

@@ -19,8 +19,6 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from common.service_config import ServiceConfig
 from mpc.session import open_party, session_source
 from protocols.backend import stack
@@ -70,16 +68,13 @@ def check_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, round_
         prec = store.precision
         ups = [store.staged_upload(round_no, j) for j in parts]
         # the requests depend on these public values only (servers/secure/dealer_plans.py)
-        plan_key = f"check:{len(parts)}:{int(np.asarray(ups[0].update).size)}:{prec}"
-        party.fetch_ahead(dealer_plans.recall(plan_key), dealer_plans.AHEAD_BYTES)
-        with party.meter("range"):
+        with dealer_plans.fetched_ahead(party, f"check:{len(parts)}:{store.dim}:{prec}"), party.meter("range"):
             bits = uploads_in_range(
                 party,
                 stack([party.wrap_share(u.update, precision=prec) for u in ups]),
                 stack([party.wrap_share(u.norm.reshape(1), precision=prec) for u in ups]).reshape(-1),
                 stack([party.wrap_share(u.delta.reshape(1), precision=prec) for u in ups]).reshape(-1),
                 precision=prec)
-        dealer_plans.remember(plan_key, party.recorded_plan)
     finally:
         party.close()
     return [j for j, ok in zip(parts, bits) if ok]
