@@ -17,19 +17,25 @@ from protocols.starfish.robust_replay import RoundRule, RuleCombine
 from . import progress
 from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, load_data
 
-__all__ = ["TARGET_PLAINTEXT_DIFF", "replay_combine", "plaintext_check"]
+__all__ = ["TARGET_PLAINTEXT_DIFF", "replay_combine", "replay_rule_of", "plaintext_check"]
 
 TARGET_PLAINTEXT_DIFF = 1e-3   # max |2PC - plaintext| over the model (issue 12)
 
 
-def replay_combine(aggregator: str, meter=None) -> RuleCombine | None:
-    """The replay's combine for a synthetic history made by ``aggregator`` in every round (None:
-    FedAvg): BRACE's step of FL round t, FedSECA's momentum restarting at round 1."""
+def replay_rule_of(aggregator: str):
+    """Which rule made round t of a synthetic history made by ``aggregator`` in every round:
+    BRACE's step of FL round t, FedSECA's momentum restarting at round 1."""
+    if aggregator == "brace-sign":
+        return lambda t: RoundRule("brace-sign", step=brace_step_scale(t))
+    return lambda t: RoundRule("fedseca", restart=t == 1)
+
+
+def replay_combine(aggregator: str, meter=None, observe=None) -> RuleCombine | None:
+    """The replay's combine for a synthetic history made by ``aggregator`` (None: FedAvg);
+    ``observe``: ``RuleCombine``'s (the step check's recorder)."""
     if aggregator == "fedavg":
         return None
-    if aggregator == "brace-sign":
-        return RuleCombine(lambda t: RoundRule("brace-sign", step=brace_step_scale(t)), meter=meter)
-    return RuleCombine(lambda t: RoundRule("fedseca", restart=t == 1), meter=meter)
+    return RuleCombine(replay_rule_of(aggregator), meter=meter, observe=observe)
 
 
 def plaintext_check(cfg: SyntheticConfig, data_path: str, method: str, t_delta: int, party0: dict,

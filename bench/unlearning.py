@@ -48,6 +48,7 @@ from . import common_options, offline, profiles, progress
 from . import steps as steps_bench
 from .report import machine_info, write_json
 from .unlearning_report import paper_row, render, target_rows
+from .step_check import ShareRecorder, prune_records, step_check
 from .synthetic import SyntheticConfig, config
 from .twin_check import TARGET_PLAINTEXT_DIFF, plaintext_check, replay_combine
 
@@ -56,7 +57,7 @@ CLIENT_STEPS = ("correction",)   # simulated clients computing exact updates: no
 
 
 def _program(party, spec: dict, data_path: str, method: str, t_delta: int, cprofile_dir: str | None,
-             aggregator: str, schedule, bar: progress.PartyBar | None = None) -> dict:
+             aggregator: str, records_root: str | None, schedule, bar: progress.PartyBar | None = None) -> dict:
     # the replayed rounds drive the bar (known once RS has selected them); steps name the phase
     with (bar or progress.PartyBar("Stage II")).open(unit="round") as shown:
         shown.set_postfix_str("setup")
@@ -66,8 +67,10 @@ def _program(party, spec: dict, data_path: str, method: str, t_delta: int, cprof
         prof = cProfile.Profile() if cprofile_dir else None
         if prof is not None:
             prof.enable()
+        # a robust replay records its rows' shares for the step check (bench/step_check.py)
+        recorder = ShareRecorder(records_root, party.rank) if records_root else None
         res = run_stage2(p, hist, list(cfg.targets), params, clients, progress=progress.callback(shown),
-                         combine=replay_combine(aggregator, p.meter))
+                         combine=replay_combine(aggregator, p.meter, observe=recorder))
     if prof is not None:
         prof.disable()
         Path(cprofile_dir).mkdir(parents=True, exist_ok=True)
@@ -77,7 +80,37 @@ def _program(party, spec: dict, data_path: str, method: str, t_delta: int, cprof
     out["model"] = res.model.numpy()
     out["client_computations"] = clients.computations
     out["report"] = offline.party_report(p)
+    if recorder is not None:
+        out["step_records"] = str(recorder.path)
     return out
+
+
+def _step_check(cfg: SyntheticConfig, data_path: str, method: str, t_delta: int, runs: offline.Runs,
+                aggregator: str, quiet: bool) -> dict:
+    """``bench/step_check.py`` on the final run's records; then only the cached compute run's stay."""
+    v0, v1 = (runs.link or runs.compute).values
+    progress.say("step check: the plaintext twin in lockstep with the servers' opened steps ...", quiet=quiet)
+    try:
+        res = step_check(cfg, data_path, method, t_delta, v0, v1, aggregator, quiet)
+    except (KeyError, OSError, ValueError, IndexError) as exc:
+        res = {"met": False, "error": f"{type(exc).__name__}: {exc}"}
+        res["line"] = (f"step check NOT run: {res['error']} (the cached compute run has no records: "
+                       "add --fresh)")
+    else:
+        res["line"] = (
+            f"step check (the twin in lockstep with the servers' opened steps, {res['seconds']:.0f}s): "
+            f"{res['robust_rounds']} of {res['recorded_rounds']} robust rounds checked; rows: max |servers - twin| "
+            f"{res['rows_max_diff']:.2e} (<= {res['target']:g}); rule on the servers' rows: "
+            f"{('exact' if aggregator == 'brace-sign' else 'within its fixed-point bound') if res['rule_held'] else 'NOT held'} "
+            f"(largest excess over the rule's bound "
+            f"{res['rule_max_excess']:.2e}); the twin's own decision differs in at most "
+            f"{100 * res['twin_decision_differs_max']:.2f}% of a round's coordinates; flags equal: "
+            f"{'yes' if res['flags_equal'] else 'NO'}; model max diff {res['max_abs_diff']:.2e}: "
+            f"{'met' if res['met'] else 'NOT met'}")
+    root = Path(v0.get("step_records", "")).parent if v0.get("step_records") else None
+    if root is not None and runs.compute is not None:
+        prune_records(root, {v.get("step_records", "") for v in runs.compute.values})
+    return res
 
 
 def _method(profile: profiles.NetworkProfile, requested: str, T: int) -> tuple[str, int, str]:
@@ -308,14 +341,17 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
 
     method, t_delta, method_run = _method(profile, args.rs_method, cfg.rounds)
     data_path = steps_bench.synthetic_history(cfg, args.cache_dir, args.quiet)
-    fn_args = (cfg.to_json(), str(data_path), method, t_delta, args.cprofile, agg)
+    key = _cache_key(cfg, method_run, agg)
+    records_root = (Path(args.cache_dir) / f"unlearning-steps-{key}-{args.offline}") if agg != "fedavg" else None
+    fn_args = (cfg.to_json(), str(data_path), method, t_delta, args.cprofile, agg,
+               str(records_root) if records_root else None)
     # The dealer requests of TD, RS, UE, TC are the same on every call: record them with one
     # call of each (bench/steps.py's program on the same shapes) instead of a whole Stage II.
     rs = "RS1" if method_run == "ratio" else "RS2"
     record = (steps_bench._program, (cfg.to_json(), str(data_path), ["TD2", rs, "UE", "TC", "aggregate"], []))
     aliases = {"TD": "TD2", "RS": rs, "UE": "UE", "TC": "TC", "aggregate": "aggregate"}
     label = f"unlearning/{cfg.name}"
-    common = dict(offline=args.offline, cache_dir=args.cache_dir, key=_cache_key(cfg, method_run, agg), prefix="unlearning",
+    common = dict(offline=args.offline, cache_dir=args.cache_dir, key=key, prefix="unlearning",
                   fresh=args.fresh or bool(args.cprofile), timeout=args.timeout, label=label,
                   record=record, aliases=aliases, quiet=args.quiet, party_args=progress.party_args(label, args.quiet))
     if shaping.method == "netem" and not os.environ.get(profiles.NETEM_ENV):
@@ -360,6 +396,13 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                  + (f"{twin['largest_estimate']:.3g}" if twin["largest_estimate"] is not None else "-")
                  + f" (SecTC's domain: below {twin['sectc_domain']:.0f})")
     ok = agree and twin["selected_rounds_equal"] and twin["flags_equal"] and twin["met"]
+    steps_check = None
+    if records_root is not None:
+        steps_check = _step_check(cfg, str(data_path), method, t_delta, runs, agg, args.quiet)
+        extra.append(steps_check["line"])
+        # a robust rule's edges make the free-running twin drift (bench/step_check.py): the
+        # servers are held to the lockstep twin, the free twin's figures are reported beside it
+        ok = agree and twin["selected_rounds_equal"] and steps_check["met"]
     targets = target_rows(tot, rss, profile)
     paper = paper_row(profile, tot)
     text = render(cfg, profile, shaping, method_run, rows, tot, paper, rss, wire, extra,
@@ -375,7 +418,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         "schedule_requests": runs.schedule.num_requests,
         "schedule_meta": runs.schedule.meta, "mismatches": mismatches,
         "stage2": {k: v for k, v in v0.items() if k not in ("report", "model")}, "servers_agree": agree,
-        "plaintext_twin": twin, "aggregator": agg,
+        "plaintext_twin": twin, "step_check": steps_check, "aggregator": agg,
         "session_seconds": wall, "markdown": text,
     }
     path = write_json(out_path, payload)

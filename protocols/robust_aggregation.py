@@ -182,6 +182,7 @@ __all__ = [
     "quantile_thresholds",
     "quantile_rank",
     "momentum",
+    "fedseca_error_bound",
     "partition_network",
     "median_network",
     "FEDSECA_GAMMA",
@@ -502,6 +503,15 @@ def fedseca_elected_signs(G: Tensor) -> Tensor:
         return torch.zeros(0, dtype=torch.float64)
     _, s_pos, s_neg = _crise(_sign(G))
     return s_pos - s_neg
+
+
+def fedseca_error_bound(G: torch.Tensor, frac_bits: int = 16) -> torch.Tensor:
+    """Per coordinate, how far 2PC's ``fedseca`` may lie from the twin's on the same rows ``G``
+    (K x D, values on the 2**-frac_bits grid): 2 (2**-12 max_k |g_k^j| + u) + u, u = 2**-frac_bits
+    (the module docstring's "Fixed-point error": the clip factors' 2**-12, one unit for x = c |g|,
+    one for the division, doubled)."""
+    u = 2.0 ** -frac_bits
+    return 2 * (2.0 ** -12 * _f64(G).abs().amax(dim=0) + u) + u
 
 
 def momentum(prev: Optional[torch.Tensor], agg: torch.Tensor,

@@ -113,12 +113,16 @@ class RuleCombine:
     Callable as ``combine(rows, weights, present, t)``; returns the opened direction (float64).
     ``meter``: e.g. ``party.meter``; the rule's steps are metered inside the replay's
     ``aggregate`` step (``aggregate/rescale``, ``aggregate/quantile``, ``aggregate/signs``, ...).
-    ``applied`` records (t, aggregator) per replayed round.
+    ``applied`` records (t, aggregator) per replayed round. ``observe(t, rule, G, opened)``, if
+    given, sees each robust round's stacked rows and its opened value (before BRACE's step and
+    FedSECA's momentum): the benchmark's step check (``bench/step_check.py``) records them there.
     """
 
-    def __init__(self, rule_of: Callable[[int], RoundRule], meter: Meter | None = None) -> None:
+    def __init__(self, rule_of: Callable[[int], RoundRule], meter: Meter | None = None,
+                 observe: Callable[[int, RoundRule, Any, torch.Tensor], None] | None = None) -> None:
         self.rule_of = rule_of
         self.meter = meter or no_meter
+        self.observe = observe
         self.buffer: torch.Tensor | None = None     # FedSECA's momentum after the last round
         self._last: str | None = None
         self.applied: list[tuple[int, str]] = []
@@ -135,15 +139,22 @@ class RuleCombine:
             return reveal(weighted_sum(rows, weights)).to(torch.float64)
         with self.meter("rescale"):
             G = _rows_at_frac_bits(rows)
+        opened = self.open_rule(rule, G, t)
+        if self.observe is not None:
+            self.observe(t, rule, G, opened)
         if rule.aggregator == "brace-sign":
-            vote = brace_sign(G, lam=rule.vote_lambda(len(rows)), meter=self.meter)
-            with self.meter("open"):
-                opened = reveal(vote).to(torch.float64)
             return rule.step * opened
-        lam = secure_quantile_thresholds(G, rule.gamma, meter=self.meter)
-        agg = fedseca(G, gamma=rule.gamma, thresholds=lam, meter=self.meter)
-        with self.meter("open"):
-            opened = reveal(agg).to(torch.float64)
         prev = None if (rule.restart or last != "fedseca") else self.buffer
         self.buffer = momentum(prev, opened, beta=rule.beta)
         return self.buffer
+
+    def open_rule(self, rule: RoundRule, G: Any, t: int) -> torch.Tensor:
+        """What round ``t`` opens: BRACE's vote, FedSECA's g_tilde (float64, length D)."""
+        if rule.aggregator == "brace-sign":
+            vote = brace_sign(G, lam=rule.vote_lambda(G.shape[0]), meter=self.meter)
+            with self.meter("open"):
+                return reveal(vote).to(torch.float64)
+        lam = secure_quantile_thresholds(G, rule.gamma, meter=self.meter)
+        agg = fedseca(G, gamma=rule.gamma, thresholds=lam, meter=self.meter)
+        with self.meter("open"):
+            return reveal(agg).to(torch.float64)

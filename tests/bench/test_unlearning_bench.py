@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from bench import scaling, steps, synthetic, unlearning
+from bench import scaling, step_check, steps, synthetic, unlearning
 
 
 def test_unlearning_benchmark_tiny_with_an_emulated_link(tmp_path, capsys):
@@ -126,3 +131,56 @@ def test_unlearning_benchmark_on_two_workers_per_server_equals_the_twin(tmp_path
     for server in res["servers"]:
         assert len(server["workers"]) == 2
         assert all(w["online"] > 0 and w["peak_rss_mib"] > 0 for w in server["workers"])
+
+
+@settings(max_examples=50, deadline=None)
+@given(K=st.integers(1, 4), D=st.integers(1, 40), bits=st.sampled_from([12, 16]), data=st.data())
+def test_step_records_reconstruct_every_value_of_the_rules_domain_from_two_64_bit_shares(K, D, bits, data):
+    # oracle: the value itself; any share pair of a ring integer below 2**31 in magnitude
+    ints = st.integers(-(2**31), 2**31 - 1)
+    value = np.array(data.draw(st.lists(ints, min_size=K * D, max_size=K * D)), dtype=np.int64).reshape(K, D)
+    s0 = np.array(data.draw(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=K * D, max_size=K * D)),
+                  dtype=np.int64).reshape(K, D)
+    s1 = (value.astype(np.uint64) - s0.astype(np.uint64)).astype(np.int64)   # wraps mod 2**64
+    opened = np.linspace(-1, 1, D)
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = [Path(tmp) / "a", Path(tmp) / "b"]
+        for d, share, o in zip(dirs, (s0, s1), (opened, None)):
+            d.mkdir()
+            step_check.ShareRecorder.write(d, 0, 7, "fedseca", bits, share, o)
+        rec = step_check.StepRecords(*dirs)
+        got = rec.load(0)
+    assert len(rec) == 1 and got.t == 7 and got.aggregator == "fedseca"
+    np.testing.assert_array_equal(got.rows, value / 2.0**bits)
+    np.testing.assert_array_equal(got.opened, opened)
+
+
+def test_unlearning_benchmark_holds_a_robust_replay_to_the_twin_step_by_step(tmp_path, capsys):
+    out, cache = tmp_path / "r.json", tmp_path / "cache"
+    argv = ["--config", "tiny", "--profile", "none", "--aggregator", "brace-sign", "--cache-dir", str(cache),
+            "--out", str(out), "--quiet"]
+    assert unlearning.main(argv) == 0
+    res = json.loads(out.read_text())
+    chk = res["step_check"]
+    assert chk["met"] and chk["rule_held"] and chk["robust_rounds"] == chk["recorded_rounds"] > 0
+    assert chk["rows_max_diff"] <= 1e-3 and chk["flags_equal"] and chk["selected_rounds_equal"]
+    assert all(s["aggregator"] == "brace-sign" and s["twin_decision_differs"] <= 1 for s in chk["steps"])
+    assert "step check (the twin in lockstep" in capsys.readouterr().out
+    # planted: the servers open one vote that their rows do not give; the cached run is re-checked
+    party0 = Path(res["stage2"]["step_records"])
+    first = party0 / "00000.npz"
+    rec = dict(np.load(first))
+    rec["opened"] = rec["opened"].copy()
+    rec["opened"][0] += 2.0
+    np.savez(first, **rec)
+    assert unlearning.main(argv) == 1
+    bad = json.loads(out.read_text())["step_check"]
+    assert not bad["met"] and not bad["rule_held"] and bad["steps"][0]["rule_excess"] == 2.0
+    # planted: one row of party 0's share off by 2**-6 (2**10 units): the rows check fails
+    rec["opened"][0] -= 2.0
+    rec["low"] = rec["low"].copy()
+    rec["low"][0, 0] += np.uint32(2**10)
+    np.savez(first, **rec)
+    assert unlearning.main(argv) == 1
+    bad = json.loads(out.read_text())["step_check"]
+    assert not bad["met"] and bad["steps"][0]["rows_max_diff"] >= 2.0**-6 - 2e-5

@@ -359,7 +359,13 @@ def test_check_accepts_honest_clients_with_ties():
 # ---------------------------------------------------------------------------- 2PC vs the twin
 #: |g_tilde_2pc - g_tilde_twin| <= 2 (2**-12 max_k |g_hat_k^j| + 2**-16) + 2**-16 (module docstring)
 def _tolerance(g: np.ndarray) -> np.ndarray:
-    return 2 * (2.0 ** -12 * np.abs(g).max(axis=0) + LSB) + LSB
+    return ra.fedseca_error_bound(torch.as_tensor(g)).numpy()
+
+
+def test_the_documented_fedseca_bound_is_the_docstring_formula():
+    g = np.array([[0.0, -3.0, 2.0 ** 13], [1.0, 0.5, -(2.0 ** 13)]])
+    want = [2 * (2.0 ** -12 * m + LSB) + LSB for m in (1.0, 3.0, 2.0 ** 13)]
+    np.testing.assert_array_equal(_tolerance(g), want)
 
 
 def _random_cases(seed: int, n: int, max_k: int, max_d: int, max_enc: int) -> list:
