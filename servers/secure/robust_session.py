@@ -78,7 +78,7 @@ def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, ro
         # the requests depend on these public values only (module doc of dealer_plans)
         plan_key = (f"aggregate:{fl.aggregator}:{len(parts)}:{store.dim}:{prec}:"
                     f"{fl.fedseca_gamma}:{brace_vote_lambda(fl, len(parts))}")
-        with dealer_plans.fetched_ahead(party, plan_key):
+        with dealer_plans.fetched_ahead(party, plan_key, store.root / dealer_plans.PLANS_DIR):
             kept, vector = _aggregate(party, fl, store, round_no, parts, rows, prec)
         meters = party.meters()
         served = party.served_ahead

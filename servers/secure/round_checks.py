@@ -68,7 +68,8 @@ def check_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, round_
         prec = store.precision
         ups = [store.staged_upload(round_no, j) for j in parts]
         # the requests depend on these public values only (servers/secure/dealer_plans.py)
-        with dealer_plans.fetched_ahead(party, f"check:{len(parts)}:{store.dim}:{prec}"), party.meter("range"):
+        plans = store.root / dealer_plans.PLANS_DIR
+        with dealer_plans.fetched_ahead(party, f"check:{len(parts)}:{store.dim}:{prec}", plans), party.meter("range"):
             bits = uploads_in_range(
                 party,
                 stack([party.wrap_share(u.update, precision=prec) for u in ups]),

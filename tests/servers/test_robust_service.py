@@ -89,9 +89,10 @@ def _committed(dep: Deployment, p: int) -> int:
         return -1
 
 
-def _run(root, aggregator: str, crash: str | None, *, rounds: int = ROUNDS, offline: str = "dealer") -> dict:
-    """Start a deployment, upload ``rounds`` rounds (restarting a server the crash seam killed),
-    stop it and return what the oracles need."""
+def _run(root, aggregator: str, crash: str | None, *, rounds: int = ROUNDS, offline: str = "dealer",
+         restart_server1_before: int | None = None) -> dict:
+    """Start a deployment, upload ``rounds`` rounds (restarting a server the crash seam killed,
+    and server 1 before round ``restart_server1_before``), stop it and return what the oracles need."""
     dep = Deployment(root, clients=N, offline=offline, overrides={"fl": {
         "rounds": rounds, "aggregator": aggregator, "server_lr": LR, "round_deadline": 120.0,
         "fedseca_gamma": GAMMA, "fedseca_beta": BETA}})
@@ -104,6 +105,10 @@ def _run(root, aggregator: str, crash: str | None, *, rounds: int = ROUNDS, offl
         dep.wait_ready()
         dim = int(dep.client("admin", 0).call("state")["dim"])
         for r in range(1, rounds + 1):
+            if r == restart_server1_before:
+                dep.procs.stop("server1")
+                dep.start_server(1)
+                dep.wait_ready((1,))
             ups = _updates(r, dim)
             out["sent"][r] = ups
             for j, g in ups.items():
@@ -157,7 +162,8 @@ def fedseca_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def brace_run(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("brace"), "brace-sign", None)
+    # server 1 restarts before the last round: its dealer plans come back from its store
+    return _run(tmp_path_factory.mktemp("brace"), "brace-sign", None, restart_server1_before=ROUNDS)
 
 
 def test_fedseca_models_equal_the_plaintext_twin(fedseca_run):
@@ -213,7 +219,8 @@ def test_brace_sign_models_equal_the_plaintext_twin_exactly(brace_run):
 def test_later_rounds_fetch_the_dealer_material_ahead(fedseca_run, brace_run):
     """A round's 2PC session with the same shapes as the last one has server 1 fetch the last
     one's dealer requests in the background (``servers.secure.dealer_plans``): nothing in round 1,
-    all of it from round 2 on when the participants are the same (BRACE), some of it when the
+    all of it from round 2 on when the participants are the same (BRACE; its server 1 restarts
+    before round 3, which fetches ahead from the plans kept in the store), some of it when the
     round's requests part from the plan (FedSECA's round 2 leaves a wrong threshold out). The
     models equal the twins' in the tests above, so what was fetched ahead was right."""
     def served(run, aggregator):
