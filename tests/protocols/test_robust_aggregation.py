@@ -450,27 +450,29 @@ def test_fedseca_2pc_in_small_batches(pair):
         assert np.all(np.abs(got["aggregate"] - twin.aggregate.numpy()) <= _tolerance(g))
 
 
-def test_check_thresholds_2pc_matches_twin(pair):
-    rng = np.random.default_rng(7)
+def _claimed_cases(seed: int, n: int, max_k: int, max_d: int) -> list:
+    """Random cases whose claimed thresholds are honest, one unit off, or negative (the last row)."""
+    rng = np.random.default_rng(seed)
     cases = []
-    for case in _random_cases(13, 12, max_k=6, max_d=15, max_enc=1 << 30):
+    for case in _random_cases(seed + 6, n, max_k=max_k, max_d=max_d, max_enc=1 << 30):
         g, lam = case["g"], case["lam"].copy()
         lam[rng.random(len(lam)) < 0.5] += LSB * rng.choice([-1, 1])
         if len(lam) > 1:
             lam[-1] = -lam[-1] if lam[-1] else -LSB
         cases.append({"g": g, "lam": lam, "gamma": case["gamma"]})
     cases.append({"g": cases[0]["g"], "lam": -np.ones(len(cases[0]["lam"])), "gamma": 0.5})  # none right
-    out0, out1 = pair.call(rap.check_cases, cases)
-    checked0, checked1 = pair.call(rap.checked_cases, cases)
-    for case, got, got1, (ok, agg), (ok1, agg1) in zip(cases, out0, out1, checked0, checked1):
-        np.testing.assert_array_equal(got, got1)
-        want = check_thresholds(_t(case["g"]), _t(case["lam"]), case["gamma"]).numpy()
-        np.testing.assert_array_equal(got, want)
-        np.testing.assert_array_equal(got, oracle_check(case["g"], case["lam"], case["gamma"]))
-        # the servers' round: the same verdict from the shared sign call, then the aggregate of
-        # the accepted rows (within the fixed-point bound of the twin's)
+    return cases
+
+
+def _assert_checked_round(cases: list, checked0: list, checked1: list) -> list:
+    """``fedseca_checked`` against the oracles: the verdict, then the accepted rows' aggregate
+    within the fixed-point bound of the twin's (None when none is accepted). Returns the verdicts."""
+    verdicts = []
+    for case, (ok, agg), (ok1, agg1) in zip(cases, checked0, checked1):
+        want = oracle_check(case["g"], case["lam"], case["gamma"])
         np.testing.assert_array_equal(ok, want)
         np.testing.assert_array_equal(ok1, want)
+        verdicts.append(want)
         if not want.any():
             assert agg is None and agg1 is None
             continue
@@ -478,7 +480,28 @@ def test_check_thresholds_2pc_matches_twin(pair):
         g = case["g"][want]
         twin = fedseca(_t(g), gamma=case["gamma"], thresholds=_t(case["lam"][want])).numpy()
         assert np.all(np.abs(agg - twin) <= _tolerance(g)), (case, agg, twin)
-    assert any(0 < w.sum() < len(w) for w in out0)    # rows were dropped in some case
+    return verdicts
+
+
+def test_check_thresholds_2pc_matches_twin(pair):
+    cases = _claimed_cases(7, 12, max_k=6, max_d=15)
+    out0, out1 = pair.call(rap.check_cases, cases)
+    for case, got, got1 in zip(cases, out0, out1):
+        np.testing.assert_array_equal(got, got1)
+        want = check_thresholds(_t(case["g"]), _t(case["lam"]), case["gamma"]).numpy()
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, oracle_check(case["g"], case["lam"], case["gamma"]))
+    # the servers' round: the same verdict from the shared sign call, then the rule on the accepted
+    verdicts = _assert_checked_round(cases, *pair.call(rap.checked_cases, cases))
+    assert any(0 < w.sum() < len(w) for w in verdicts)    # rows were dropped in some case
+
+
+def test_fedseca_checked_in_two_party_mode(two_party_pair):
+    """The servers' round without a dealer (the engine's sign tests and products): the daemon
+    runs it so in two-party mode, the service's default."""
+    cases = _claimed_cases(29, 3, max_k=4, max_d=5)
+    verdicts = _assert_checked_round(cases, *two_party_pair.call(rap.checked_cases, cases))
+    assert any(0 < w.sum() < len(w) for w in verdicts) and not verdicts[-1].any()
 
 
 def test_check_thresholds_2pc_rejects_thresholds_outside_the_bounded_range(pair):
