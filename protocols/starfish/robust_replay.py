@@ -39,9 +39,13 @@ exact functions of the encoded rows, so they equal the twin's wherever no row's 
 within its fixed-point error (that of ``update_estimation`` plus the truncation's unit) of 0 or
 of its threshold, and no vote total ends within that of BRACE's lambda. Where one does, one
 coordinate of that round's direction differs: by 2 step for BRACE, by at most that
-coordinate's clamp for FedSECA. The model's distance to the twin is therefore reported as the
-fraction of coordinates that differ, not as an elementwise bound (tests/protocols/starfish/
-test_robust_replay_2pc.py, tests/servers/test_robust_unlearning.py).
+coordinate's clamp for FedSECA, and the runs go on from different models. The free-running
+twin's distance is therefore reported as the fraction of coordinates that differ, not as an
+elementwise bound. What is bounded, and checked at every replayed round by ``starfish bench
+unlearning --aggregator`` (``bench/step_check.py``, the twin in lockstep with the servers):
+the rows the servers feed the rule are within 1e-3 of the twin's on the same state, and the
+opened value is the rule applied to those rows (exactly for BRACE, within
+``robust_aggregation.fedseca_error_bound`` for FedSECA). ``observe`` is that check's hook.
 """
 
 from __future__ import annotations
