@@ -17,6 +17,8 @@ import math
 import os
 import random
 import socket
+import tempfile
+import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -431,6 +433,9 @@ def free_loopback_ports(n: int) -> list[int]:
             except OSError:
                 s.close()
                 continue
+            if not _claim(s.getsockname()[1]):
+                s.close()
+                continue
             socks.append(s)
         while len(socks) < n:      # no room below the ephemeral range: let the kernel choose
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -440,6 +445,32 @@ def free_loopback_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+#: a port handed to one scratch deployment is not handed to another for this long (seconds): two
+#: processes (the test suite's two workers) could otherwise draw the same free port before either
+#: daemon binds it (seen on CI: "address already in use")
+CLAIM_SECONDS = 600.0
+
+
+def _claim(port: int, folder: Path | None = None) -> bool:
+    """Whether ``port`` was not handed out by a process of this machine in the last
+    ``CLAIM_SECONDS``; if not, it is recorded as handed out now. Without a writable claims
+    folder every port passes (the bind test above still holds)."""
+    folder = folder or Path(tempfile.gettempdir()) / "starfish-scratch-ports"
+    path = folder / str(port)
+    try:
+        folder.mkdir(exist_ok=True)
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            return True
+        except FileExistsError:
+            if time.time() - path.stat().st_mtime < CLAIM_SECONDS:
+                return False
+            os.utime(path)            # a stale claim: take it over
+            return True
+    except OSError:
+        return True
 
 
 #: where ``write_scratch_deployment`` puts the CA (key, CRL, issued list), beside ``keys``
