@@ -45,7 +45,7 @@ from protocols.backend import is_shared, lmatmul, mul_mask, transpose
 from protocols.sharded import is_sharded
 
 __all__ = ["compact_hvp", "estimate_updates", "estimate_aggregate", "default_inverse", "HvpSums", "HvpCoefficients",
-           "hvp_sums", "hvp_solve", "hvp_apply", "aggregate_apply"]
+           "hvp_sums", "hvp_solve", "hvp_apply", "aggregate_apply", "pair_scales", "PAIR_SCALE_EXPONENTS"]
 
 Inverse = Callable[[Any], Any]
 
@@ -110,9 +110,53 @@ def hvp_sums(S: torch.Tensor, Y: Any, v: torch.Tensor) -> HvpSums:
                    transpose(Y).matmul(vcol))
 
 
+#: exponents of the public pair scales 2**-e (``pair_scales``): down to 2**-16 keeps every product
+#: of two scales at or above 2**-32, which ``backend.mul_public`` represents exactly; up to 2**8
+#: keeps a scaled-up share's ring value small (it is truncated once, by ``mul_public``)
+PAIR_SCALE_EXPONENTS = (-8, 16)
+
+
+def pair_scales(sts: torch.Tensor) -> torch.Tensor:
+    """Public powers of two c_k near 1 / ||s_k|| (..., B) from S^T S's diagonal (0-length pairs: 1).
+
+    Why: a BFGS matrix is unchanged when a pair (s_k, y_k) is replaced by (c s_k, c y_k), and so
+    is sigma; but W's entries are about sigma ||s||^2 and W^{-1}'s about 1 / (sigma ||s||^2), and
+    under a robust rule (BRACE moves every coordinate by its full step) ||s||^2 reaches 1e5 on the
+    MNIST shapes: W^{-1} then falls below the 2**-16 grid, and so does the public 1 / s_B^T s_B
+    that sigma multiplies by (measured on a BRACE history: sigma off by 5%, the coefficients by up
+    to 70%). With unit-length pairs every entry of the small system is of sigma's order whatever
+    ||s|| is. Powers of two make the scaling of public values exact and of shares one truncation.
+    """
+    d = torch.sqrt(torch.diagonal(sts.to(torch.float64), dim1=-2, dim2=-1))
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    lo, hi = PAIR_SCALE_EXPONENTS
+    return torch.pow(2.0, -torch.round(torch.log2(safe)).clamp(lo, hi))
+
+
+def _times_public(x: Any, p: torch.Tensor) -> Any:
+    """x * p for public p, shared (``mul_public``: p's powers of two kept exactly) or plain."""
+    if is_shared(x):
+        return B.mul_public(x, p)
+    return torch.as_tensor(x) * p.to(torch.as_tensor(x).dtype)
+
+
 def hvp_solve(sums: HvpSums, inverse: Inverse | None = None) -> HvpCoefficients:
     """Phase 2: sigma, W^{-1} and z = W^{-1} q on the 2B x 2B system (module docstring);
-    independent of m, so with coordinate shards it runs once, at the coordinators."""
+    independent of m, so with coordinate shards it runs once, at the coordinators.
+
+    The system is solved for the unit-length pairs (S C, Y C), C = diag(``pair_scales``): the
+    scaled W is P W P and the scaled q is P q with P = diag(C, C), so the scaled solution is
+    P^{-1} z, and the coefficients of the given S and Y are C times its halves."""
+    c = pair_scales(sums.sts)
+    cc, cv = c.unsqueeze(-1) * c.unsqueeze(-2), c.unsqueeze(-1)
+    dtype = sums.sts.dtype
+    unit = HvpSums((sums.sts.to(torch.float64) * cc).to(dtype), (sums.stv.to(torch.float64) * cv).to(dtype),
+                   _times_public(sums.sty, cc), _times_public(sums.ytv, cv))
+    co = _solve_unit(unit, inverse)
+    return HvpCoefficients(co.sigma, _times_public(co.sigma_z1, cv), _times_public(co.z2, cv))
+
+
+def _solve_unit(sums: HvpSums, inverse: Inverse | None) -> HvpCoefficients:
     inverse = inverse or default_inverse()
     sts, sty = sums.sts, sums.sty
     dtype = sts.dtype

@@ -46,3 +46,9 @@ def big_model_estimate(party, m: int, seed: int) -> dict:
 
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"est": reveal(est).numpy(), "peak_rss_gib": peak_kib / 2**20}
+
+
+def estimates_of(party, cases: list[dict]) -> list:
+    """UE (``estimate_updates``) on each case: stored rows and Y shared by party 0; opened."""
+    return [reveal(estimate_updates(_shared(c["stored"]), c["v"], c["S"], _shared(c["Y"]))).numpy()
+            for c in cases]
