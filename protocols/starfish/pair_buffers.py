@@ -38,6 +38,8 @@ from protocols.inner_product import inner
 from protocols.backend import is_shared, reveal, stack
 from protocols.sharded import is_sharded
 
+from .update_estimation import unit_scales
+
 __all__ = ["PairBuffers", "MIN_COSINE", "curvature_ok", "curvature_sums", "curvature_decide"]
 
 MIN_COSINE = 0.01
@@ -69,7 +71,20 @@ def curvature_decide(ss: float, u: Any, yy: Any, min_cos: float = MIN_COSINE) ->
     """Per pair, whether y^T s > 0 and (y^T s)^2 >= min_cos^2 (y^T y)(s^T s), from the sums.
 
     2PC: the squared test on raw products (no truncation of the small values), two sign tests
-    and their AND (one product of bits); opens only the accept bits."""
+    and their AND (one product of bits); opens only the accept bits.
+
+    The test is decided for the pair scaled to unit length, (c s, c y) with c a public power of
+    two near 1 / ||s|| (``update_estimation.unit_scales``): cos(y, s) does not change, but the
+    squared test's ring values do: the test needs |y^T s| < 2**11 (below, the lifted ring stays
+    under 2**62), which a robust rule's long pairs leave (BRACE on the MNIST shapes: s^T s up to
+    1.5e5); scaled, y^T s is about cos ||y|| / ||s|| whatever the length."""
+    c2 = float(unit_scales(torch.tensor(ss))) ** 2
+    ss = ss * c2
+    if B.any_shared(u, yy):
+        both = B.mul_public(B.stack([u, yy]), torch.tensor(c2, dtype=torch.float64))  # one truncation
+        u, yy = both[0], both[1]
+    else:
+        u, yy = u * c2, yy * c2
     c2ss = min_cos * min_cos * ss
     if not B.any_shared(u, yy):
         return [bool(a > 0 and a * a >= c2ss * b) for a, b in zip(u.tolist(), yy.tolist())]

@@ -45,7 +45,7 @@ from protocols.backend import is_shared, lmatmul, mul_mask, transpose
 from protocols.sharded import is_sharded
 
 __all__ = ["compact_hvp", "estimate_updates", "estimate_aggregate", "default_inverse", "HvpSums", "HvpCoefficients",
-           "hvp_sums", "hvp_solve", "hvp_apply", "aggregate_apply", "pair_scales", "PAIR_SCALE_EXPONENTS"]
+           "hvp_sums", "hvp_solve", "hvp_apply", "aggregate_apply", "pair_scales", "unit_scales", "PAIR_SCALE_EXPONENTS"]
 
 Inverse = Callable[[Any], Any]
 
@@ -127,7 +127,12 @@ def pair_scales(sts: torch.Tensor) -> torch.Tensor:
     to 70%). With unit-length pairs every entry of the small system is of sigma's order whatever
     ||s|| is. Powers of two make the scaling of public values exact and of shares one truncation.
     """
-    d = torch.sqrt(torch.diagonal(sts.to(torch.float64), dim1=-2, dim2=-1))
+    return unit_scales(torch.diagonal(sts.to(torch.float64), dim1=-2, dim2=-1))
+
+
+def unit_scales(sq_norms: torch.Tensor) -> torch.Tensor:
+    """Powers of two 2**-e near 1 / sqrt(sq_norms), e in ``PAIR_SCALE_EXPONENTS`` (0: 1)."""
+    d = torch.sqrt(torch.as_tensor(sq_norms, dtype=torch.float64))
     safe = torch.where(d > 0, d, torch.ones_like(d))
     lo, hi = PAIR_SCALE_EXPONENTS
     return torch.pow(2.0, -torch.round(torch.log2(safe)).clamp(lo, hi))

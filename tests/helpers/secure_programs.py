@@ -52,3 +52,11 @@ def estimates_of(party, cases: list[dict]) -> list:
     """UE (``estimate_updates``) on each case: stored rows and Y shared by party 0; opened."""
     return [reveal(estimate_updates(_shared(c["stored"]), c["v"], c["S"], _shared(c["Y"]))).numpy()
             for c in cases]
+
+
+def curvature_of(party, cases: list[dict]) -> list:
+    """The curvature test (``pair_buffers.curvature_ok``) of each case's secants (rows of Y,
+    shared by party 0) against its public s; the opened accept bits."""
+    from protocols.starfish.pair_buffers import curvature_ok
+
+    return [curvature_ok(c["s"], [_shared(y) for y in c["Y"]]) for c in cases]

@@ -1,4 +1,5 @@
-"""Property: UE's estimate on shares equals the dense BFGS oracle whatever the pairs' length.
+"""Property: UE's estimate and the pairs' curvature test on shares equal their oracles whatever
+the pairs' length.
 
 Why: a robustly aggregated history (BRACE moves every coordinate by its full step) gives L-BFGS
 pairs hundreds of times longer than FedAvg's; before ``update_estimation.pair_scales`` the small
@@ -21,6 +22,7 @@ import torch
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
+from protocols.starfish.pair_buffers import MIN_COSINE
 from protocols.starfish.update_estimation import estimate_updates, pair_scales
 from tests.helpers import secure_programs
 from tests.protocols.starfish.test_update_estimation import dense_bfgs
@@ -85,3 +87,46 @@ def test_pair_scales_are_powers_of_two_near_the_inverse_length():
     c = pair_scales(sts)[0]
     # 0-length: 1; clamps at 2**8 and 2**-16; otherwise 2**-round(log2 ||s||)
     assert c.tolist() == [1.0, 2.0 ** 8, 1.0, 2.0 ** -1, 2.0 ** -10, 2.0 ** -16]
+
+
+@st.composite
+def secants(draw):
+    """A public s of length 2**-2..2**10 and secants y with cos(y, s) across the test's edge
+    (negative, near 0, just below and above MIN_COSINE, large) and ||y|| / ||s|| in 2**-3..2**3."""
+    m = draw(st.integers(8, 48), label="m")
+    k = draw(st.integers(1, 6), label="secants")
+    log_len = draw(st.floats(-2.0, 10.0), label="log2 ||s||")
+    cosines = draw(st.lists(st.one_of(st.floats(-0.9, 0.9), st.floats(0.0, 0.02)), min_size=k, max_size=k),
+                   label="cos(y, s)")
+    ratios = draw(st.lists(st.floats(-3.0, 3.0), min_size=k, max_size=k), label="log2 ||y|| / ||s||")
+    seed = draw(st.integers(0, 2 ** 32 - 1), label="seed")
+    rng = np.random.default_rng(seed)
+    s = rng.normal(size=m)
+    s *= 2.0 ** log_len / np.linalg.norm(s)
+    unit = s / np.linalg.norm(s)
+    ys = []
+    for cos, r in zip(cosines, ratios):
+        p = rng.normal(size=m)
+        p -= (p @ unit) * unit
+        p /= np.linalg.norm(p)
+        ys.append(grid(2.0 ** (r + log_len) * (cos * unit + np.sqrt(1 - cos * cos) * p)))
+    return {"s": s, "Y": np.stack(ys)}
+
+
+def curvature_oracle(s: np.ndarray, y: np.ndarray) -> tuple[bool, bool]:
+    """(the rule on the encoded secant, whether it is within fixed point's reach of the edge)."""
+    cos = float(y @ s) / (np.linalg.norm(y) * np.linalg.norm(s))
+    return bool(cos >= MIN_COSINE and y @ s > 0), abs(cos - MIN_COSINE) < 1e-3
+
+
+@settings(deadline=None, max_examples=max(10, settings.default.max_examples // 2))
+@given(st.lists(secants(), min_size=4, max_size=4))
+def test_curvature_test_equals_the_rule_for_every_pair_length(pair, batch):
+    cases_t = [{"s": torch.from_numpy(c["s"]), "Y": torch.from_numpy(c["Y"])} for c in batch]
+    got = pair.call(secure_programs.curvature_of, cases_t)[0]
+    for c, bits in zip(batch, got):
+        for y, bit in zip(c["Y"], bits):
+            want, edge = curvature_oracle(c["s"], y)
+            note(f"||s|| {np.linalg.norm(c['s']):.3g}, y^T s {float(y @ c['s']):.3g}, want {want}, got {bit}")
+            if not edge:
+                assert bit == want
