@@ -395,9 +395,10 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                  f"{100 * twin['differing_fraction']:.2f}%); largest |g_hat| "
                  + (f"{twin['largest_estimate']:.3g}" if twin["largest_estimate"] is not None else "-")
                  + f" (SecTC's domain: below {twin['sectc_domain']:.0f})")
-    ok = agree and twin["selected_rounds_equal"] and twin["flags_equal"] and twin["met"]
     steps_check = None
-    if records_root is not None:
+    if records_root is None:
+        ok = agree and twin["selected_rounds_equal"] and twin["flags_equal"] and twin["met"]
+    else:
         steps_check = _step_check(cfg, str(data_path), method, t_delta, runs, agg, args.quiet)
         extra.append(steps_check["line"])
         # a robust rule's edges make the free-running twin drift (bench/step_check.py): the
