@@ -42,7 +42,8 @@ from protocols.starfish.robust_replay import RoundRule, RuleCombine
 
 from . import progress
 from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, load_data
-from .twin_check import TARGET_PLAINTEXT_DIFF, replay_rule_of
+from .synthetic import rule_of
+from .twin_check import TARGET_PLAINTEXT_DIFF
 
 __all__ = ["ShareRecorder", "StepRecords", "LockstepCombine", "step_check", "prune_records"]
 
@@ -141,7 +142,7 @@ def step_check(cfg: SyntheticConfig, data_path: str, method: str, t_delta: int, 
     records = StepRecords(party0["step_records"], party1["step_records"])
     hist = SyntheticHistory(cfg, load_data(data_path), None)
     params = StarfishParams(sigma=cfg.sigma, beta=cfg.beta, buffer=cfg.buffer, method=method, t_delta=t_delta)
-    combine = LockstepCombine(replay_rule_of(aggregator), records)
+    combine = LockstepCombine(rule_of(aggregator), records)
     t0 = time.perf_counter()
     with progress.progress(None, "lockstep twin", quiet=quiet, unit="round") as bar:
         plain = run_stage2(None, hist, list(cfg.targets), params, SyntheticClients(hist),

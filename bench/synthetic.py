@@ -15,7 +15,9 @@ Values (realistic scale, not real training):
   ``clients.training.tolerance_threshold``) computed from it;
 * M_0 = the paper CNN's initialisation (``clients.models``) for the MNIST configuration, else
   N(0, 0.05); M_i = M_{i-1} - server_lr * sum_j w_j g_i^j with FedAvg weights from synthetic
-  dataset sizes;
+  dataset sizes, or, with ``aggregator`` "brace-sign" / "fedseca", M_i = M_{i-1} - server_lr *
+  (the rule's step over round i's updates) (``rule_of``: the rule the replay is then told made
+  each round), so that a robust replay meets a history its rule made;
 * exact updates asked for by Stage II (warm-up and corrections) are synthetic too:
   gbar = g_t^j + curvature * (M_hat - M_{t-1}) + N(0, noise_scale^2), i.e. a quadratic loss,
   so the L-BFGS pairs are consistent and the 4 x 4 matrices W are well conditioned.
@@ -46,8 +48,10 @@ import torch
 from clients.models import build_model, flatten_params
 from common.encoding import encode
 from common.prg import Prg
+from common.robust_rules import brace_step_scale
 from protocols.starfish.params import PAPER
 from protocols.starfish.ports import History, Secret
+from protocols.starfish.robust_replay import RoundRule, RuleCombine
 
 __all__ = ["SyntheticConfig", "CONFIGS", "config", "prepare", "load_data", "SyntheticHistory",
            "SyntheticClients", "update_values"]
@@ -75,6 +79,7 @@ class SyntheticConfig:
     noise_scale: float = 1e-5
     seed: int = 0
     model: str | None = None          # "cnn": M_0 is the paper CNN's initialisation
+    aggregator: str = "fedavg"        # the rule that made every round's model (``rule_of``)
     input_shape: tuple[int, int, int] = (1, 28, 28)
     classes: int = 10
     note: str = field(default="", compare=False)
@@ -93,6 +98,8 @@ class SyntheticConfig:
         """Hash of everything that changes the generated values (the generator's version too)."""
         d = self.to_json()
         d.pop("note", None)
+        if d["aggregator"] == "fedavg":      # FedAvg histories keep the keys they had before the field
+            d.pop("aggregator")
         d["generator"] = GENERATOR_VERSION
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -119,6 +126,16 @@ CONFIGS: dict[str, SyntheticConfig] = {
     "tiny": SyntheticConfig("tiny", 256, clients=3, rounds=10, update_scale=0.05,
                             note="tiny: 256 parameters, 3 clients, 10 rounds, updates N(0, 0.05^2)"),
 }
+
+
+def rule_of(aggregator: str) -> Callable[[int], RoundRule]:
+    """Which rule made round t of a history made by ``aggregator`` in every round: BRACE's step
+    of FL round t, FedSECA's momentum restarting at round 1."""
+    if aggregator == "brace-sign":
+        return lambda t: RoundRule("brace-sign", step=brace_step_scale(t))
+    if aggregator == "fedseca":
+        return lambda t: RoundRule("fedseca", restart=t == 1)
+    raise ValueError(f"no rule for aggregator {aggregator!r}")
 
 
 def config(name: str, **overrides: Any) -> SyntheticConfig:
@@ -179,13 +196,20 @@ def prepare(cfg: SyntheticConfig, cache_dir: str | Path, progress: Callable[[str
     models[0] = model
     norms = np.empty((cfg.rounds, cfg.clients))
     deltas = np.empty((cfg.rounds, cfg.clients))
+    combine = None if cfg.aggregator == "fedavg" else RuleCombine(rule_of(cfg.aggregator))
     for i in range(1, cfg.rounds + 1):
         agg = np.zeros(cfg.num_params)
+        rows = []
         for j in range(cfg.clients):
             g = update_values(cfg, i, j)
             norms[i - 1, j] = float(np.linalg.norm(g))
             deltas[i - 1, j] = tolerance_delta(g, cfg.alpha)
-            agg += w[j] * g
+            if combine is None:
+                agg += w[j] * g
+            else:
+                rows.append(torch.from_numpy(g))
+        if combine is not None:   # the rule's step, as the replay's twin computes it
+            agg = combine(rows, list(w), list(range(cfg.clients)), i).numpy()
         model = model - cfg.server_lr * agg
         models[i] = model
         if progress is not None:

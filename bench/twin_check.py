@@ -10,24 +10,15 @@ from __future__ import annotations
 
 import time
 
-from common.robust_rules import brace_step_scale
 from protocols.starfish import StarfishParams, run_stage2
-from protocols.starfish.robust_replay import RoundRule, RuleCombine
+from protocols.starfish.robust_replay import RuleCombine
 
 from . import progress
-from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, load_data
+from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, load_data, rule_of
 
-__all__ = ["TARGET_PLAINTEXT_DIFF", "replay_combine", "replay_rule_of", "plaintext_check"]
+__all__ = ["TARGET_PLAINTEXT_DIFF", "replay_combine", "plaintext_check"]
 
 TARGET_PLAINTEXT_DIFF = 1e-3   # max |2PC - plaintext| over the model (issue 12)
-
-
-def replay_rule_of(aggregator: str):
-    """Which rule made round t of a synthetic history made by ``aggregator`` in every round:
-    BRACE's step of FL round t, FedSECA's momentum restarting at round 1."""
-    if aggregator == "brace-sign":
-        return lambda t: RoundRule("brace-sign", step=brace_step_scale(t))
-    return lambda t: RoundRule("fedseca", restart=t == 1)
 
 
 def replay_combine(aggregator: str, meter=None, observe=None) -> RuleCombine | None:
@@ -35,7 +26,7 @@ def replay_combine(aggregator: str, meter=None, observe=None) -> RuleCombine | N
     ``observe``: ``RuleCombine``'s (the step check's recorder)."""
     if aggregator == "fedavg":
         return None
-    return RuleCombine(replay_rule_of(aggregator), meter=meter, observe=observe)
+    return RuleCombine(rule_of(aggregator), meter=meter, observe=observe)
 
 
 def plaintext_check(cfg: SyntheticConfig, data_path: str, method: str, t_delta: int, party0: dict,

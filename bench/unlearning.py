@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     agg = getattr(args, "aggregator", "fedavg")
     if agg != "fedavg":
         suffix += f"-{agg}"
+        cfg = cfg.with_(aggregator=agg, note=f"{cfg.note}; every round's model made by {agg}")
     out_path = args.out or f"out/unlearning-{cfg.name}{suffix}-{profile.name}{'-estimate' if args.estimate_from else ''}.json"
 
     if args.estimate_from:

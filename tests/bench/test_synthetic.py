@@ -77,3 +77,16 @@ def test_plaintext_stage2_runs_on_the_synthetic_history(tiny):
                      synthetic.SyntheticClients(h))
     assert len(res.selected_rounds) == 6 and res.estimated_updates > 0 and res.correction_steps
     assert torch.isfinite(res.model).all()
+
+
+def test_a_brace_history_is_made_by_the_brace_vote(tmp_path):
+    """Oracle: numpy's BRACE (eq. 1) with the step of FL round t: M_t = M_{t-1} - lr 0.5 / sqrt(t)
+    * (+1 where sum_k sgn(g_t^k) > floor(5 K / 100), else -1); FedAvg histories keep their key."""
+    cfg = synthetic.config("tiny").with_(aggregator="brace-sign")
+    assert synthetic.config("tiny").key() != cfg.key()
+    data = synthetic.load_data(synthetic.prepare(cfg, tmp_path))
+    for t in range(1, cfg.rounds + 1):
+        G = np.stack([synthetic.update_values(cfg, t, j) for j in range(cfg.clients)])
+        vote = np.where(np.sign(G).sum(0) > np.floor(5.0 * cfg.clients / 100), 1.0, -1.0)
+        want = data["models"][t - 1].astype(np.float64) - cfg.server_lr * 0.5 / np.sqrt(t) * vote
+        np.testing.assert_allclose(data["models"][t], want, atol=1e-6)
