@@ -39,6 +39,7 @@ _FILE_SECONDS = {
     "tests/protocols/test_primitives_2pc.py": 32,
     "tests/mpc/test_crypten_conformance.py": 32,
     "tests/protocols/starfish/test_shard_sums.py": 31,
+    "tests/protocols/starfish/test_pair_lengths_2pc.py": 30,
     "tests/cli/test_failure_messages.py": 31,
     "tests/protocols/test_inverse_division_properties.py": 27,
     "tests/mpc/test_engine_pool.py": 26,
