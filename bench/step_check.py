@@ -41,8 +41,7 @@ from protocols.starfish import StarfishParams, run_stage2
 from protocols.starfish.robust_replay import RoundRule, RuleCombine
 
 from . import progress
-from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, load_data
-from .synthetic import rule_of
+from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, load_data, rule_of
 from .twin_check import TARGET_PLAINTEXT_DIFF
 
 __all__ = ["ShareRecorder", "StepRecords", "LockstepCombine", "step_check", "prune_records"]

@@ -210,8 +210,12 @@ def mul_public(x: Any, p: torch.Tensor) -> Any:
 
     CrypTen's ``x * p`` encodes ``p`` on the ``2**-16`` grid, so ``x * (1/300)`` is off by
     ~0.1%; here ``p`` is encoded with per-element exponents and the product truncated by them.
+    A plain ``x`` (the twin) is multiplied as it is.
     """
     p = torch.as_tensor(p, dtype=torch.float64)
+    if not is_shared(x):
+        x = torch.as_tensor(x)
+        return x * p.to(x.dtype)
     e = public_exponent(p)
     out = relabel(relabel(x, 0) * torch.round(p * torch.pow(2.0, e)).to(torch.long), frac_bits())
     return out.div(torch.pow(2, e).to(torch.long).expand(tuple(out.shape)).contiguous())

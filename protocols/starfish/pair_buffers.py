@@ -80,11 +80,8 @@ def curvature_decide(ss: float, u: Any, yy: Any, min_cos: float = MIN_COSINE) ->
     1.5e5); scaled, y^T s is about cos ||y|| / ||s|| whatever the length."""
     c2 = float(unit_scales(torch.tensor(ss))) ** 2
     ss = ss * c2
-    if B.any_shared(u, yy):
-        both = B.mul_public(B.stack([u, yy]), torch.tensor(c2, dtype=torch.float64))  # one truncation
-        u, yy = both[0], both[1]
-    else:
-        u, yy = u * c2, yy * c2
+    both = B.mul_public(B.stack([u, yy]), torch.tensor(c2, dtype=torch.float64))  # one truncation
+    u, yy = both[0], both[1]
     c2ss = min_cos * min_cos * ss
     if not B.any_shared(u, yy):
         return [bool(a > 0 and a * a >= c2ss * b) for a, b in zip(u.tolist(), yy.tolist())]

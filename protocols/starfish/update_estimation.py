@@ -138,13 +138,6 @@ def unit_scales(sq_norms: torch.Tensor) -> torch.Tensor:
     return torch.pow(2.0, -torch.round(torch.log2(safe)).clamp(lo, hi))
 
 
-def _times_public(x: Any, p: torch.Tensor) -> Any:
-    """x * p for public p, shared (``mul_public``: p's powers of two kept exactly) or plain."""
-    if is_shared(x):
-        return B.mul_public(x, p)
-    return torch.as_tensor(x) * p.to(torch.as_tensor(x).dtype)
-
-
 def hvp_solve(sums: HvpSums, inverse: Inverse | None = None) -> HvpCoefficients:
     """Phase 2: sigma, W^{-1} and z = W^{-1} q on the 2B x 2B system (module docstring);
     independent of m, so with coordinate shards it runs once, at the coordinators.
@@ -156,9 +149,9 @@ def hvp_solve(sums: HvpSums, inverse: Inverse | None = None) -> HvpCoefficients:
     cc, cv = c.unsqueeze(-1) * c.unsqueeze(-2), c.unsqueeze(-1)
     dtype = sums.sts.dtype
     unit = HvpSums((sums.sts.to(torch.float64) * cc).to(dtype), (sums.stv.to(torch.float64) * cv).to(dtype),
-                   _times_public(sums.sty, cc), _times_public(sums.ytv, cv))
+                   B.mul_public(sums.sty, cc), B.mul_public(sums.ytv, cv))
     co = _solve_unit(unit, inverse)
-    return HvpCoefficients(co.sigma, _times_public(co.sigma_z1, cv), _times_public(co.z2, cv))
+    return HvpCoefficients(co.sigma, B.mul_public(co.sigma_z1, cv), B.mul_public(co.z2, cv))
 
 
 def _solve_unit(sums: HvpSums, inverse: Inverse | None) -> HvpCoefficients:
