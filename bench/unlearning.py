@@ -245,9 +245,10 @@ def _on_workers(args: argparse.Namespace, cfg: SyntheticConfig) -> int:
                                      "--profile none (the workers' links are not emulated)")
     if not 1 <= args.workers <= min(64, cfg.num_params):
         return common_options.refuse("starfish bench unlearning", f"--workers must be 1..{min(64, cfg.num_params)}")
-    if getattr(args, "aggregator", "fedavg") != "fedavg":
-        return common_options.refuse("starfish bench unlearning", "--workers replays FedAvg histories only "
-                                     "(a robust replay does not run on shards yet)")
+    if cfg.aggregator == "fedseca":
+        return common_options.refuse("starfish bench unlearning", "--workers replays FedAvg and BRACE histories "
+                                     "(FedSECA's thresholds need sums over all coordinates: its replay runs at "
+                                     "the coordinators); drop --workers for --aggregator fedseca")
     method, t_delta, method_run = _method(profiles.resolve("none"), args.rs_method, cfg.rounds)
     data_path = steps_bench.synthetic_history(cfg, args.cache_dir, args.quiet)
     try:
@@ -256,7 +257,11 @@ def _on_workers(args: argparse.Namespace, cfg: SyntheticConfig) -> int:
         print(f"starfish bench unlearning --workers: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 1
     twin = res["plaintext_twin"]
-    ok = res["servers_agree"] and twin["selected_rounds_equal"] and twin["flags_equal"] and twin["met"]
+    # BRACE's opened vote may differ from the twin's at a coordinate whose estimate lies within its
+    # fixed-point error of 0 (robust_replay); the rows stay at the workers, so the one-process
+    # step check cannot run here: rounds and flags decide, the differing fraction is reported
+    ok = res["servers_agree"] and twin["selected_rounds_equal"] and twin["flags_equal"] and (
+        twin["met"] or cfg.aggregator == "brace-sign")
     gib = 1 / 1e9
     rows = []
     for r, srv in enumerate(res["servers"]):
@@ -276,12 +281,15 @@ def _on_workers(args: argparse.Namespace, cfg: SyntheticConfig) -> int:
         f"both servers' models identical: {'yes' if res['servers_agree'] else 'NO'}",
         f"plaintext twin: selected rounds equal: {'yes' if twin['selected_rounds_equal'] else 'NO'}; flags equal: "
         f"{'yes' if twin['flags_equal'] else 'NO'}; max |2PC - plaintext| {twin['max_abs_diff']:.2e} "
-        f"(target <= {TARGET_PLAINTEXT_DIFF:g}: {'met' if twin['met'] else 'NOT met'})",
+        f"(target <= {TARGET_PLAINTEXT_DIFF:g}: {'met' if twin['met'] else 'NOT met'}); coordinates differing by "
+        f"more: {twin['differing_fraction']:.2%}" + (" (BRACE: votes flipped where an estimate is within its "
+                                                    "fixed-point error of 0)" if cfg.aggregator == "brace-sign" else ""),
         "",
         "| server | process | peak RSS MiB | peak shares held MiB | online GB | offline GB | online rounds |",
         "|---|---|---|---|---|---|---|", *rows])
     print(text)
-    out = args.out or f"out/unlearning-{cfg.name}-workers{args.workers}-{args.offline}.json"
+    agg = "" if cfg.aggregator == "fedavg" else f"-{cfg.aggregator}"
+    out = args.out or f"out/unlearning-{cfg.name}{agg}-workers{args.workers}-{args.offline}.json"
     path = write_json(out, {"machine": machine_info(), "benchmark": "unlearning --workers", "config": cfg.to_json(),
                             "round_selection": method_run, "result": res, "correct": ok, "markdown": text})
     Path(path).with_suffix(".md").write_text(text + "\n")
@@ -300,13 +308,13 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     cfg = config(args.config, seed=args.seed)
     if args.clients is not None:
         cfg = cfg.with_(clients=args.clients, note=f"{cfg.note}; clients overridden to {args.clients}")
-    if getattr(args, "workers", None) is not None:
-        return _on_workers(args, cfg)
     suffix = f"-n{cfg.clients}" if args.clients is not None else ""
     agg = getattr(args, "aggregator", "fedavg")
     if agg != "fedavg":
         suffix += f"-{agg}"
         cfg = cfg.with_(aggregator=agg, note=f"{cfg.note}; every round's model made by {agg}")
+    if getattr(args, "workers", None) is not None:
+        return _on_workers(args, cfg)
     out_path = args.out or f"out/unlearning-{cfg.name}{suffix}-{profile.name}{'-estimate' if args.estimate_from else ''}.json"
 
     if args.estimate_from:

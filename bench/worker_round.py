@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from mpc.session import open_party
-from servers.workers.sharded_round import aggregate_on_shards, check_on_shards
+from servers.workers.sharded_round import aggregate_on_shards, check_on_shards, vote_on_shards
 from servers.workers.worker_group import WorkerGroup
 
 __all__ = ["run_round", "coordinator", "run_pair"]
@@ -34,7 +34,7 @@ __all__ = ["run_round", "coordinator", "run_pair"]
 
 def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np.ndarray, counts: list,
              norms: np.ndarray, deltas: np.ndarray, options: dict[str, Any], peer,
-             attempt: int, kill: bool, groups: list, marks: dict) -> dict:
+             attempt: int, kill: bool, groups: list, marks: dict, vote_lambda: float | None = None) -> dict:
     t0 = time.perf_counter()
     group = WorkerGroup(rank, keys_dir, workers, shares.shape[-1], ray_dir=ray_dir, **options)
     groups.append(group)
@@ -63,11 +63,14 @@ def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np.nd
         t3 = time.perf_counter()
         opened = aggregate_on_shards(group, names, counts)
         t4 = time.perf_counter()
+        vote = None if vote_lambda is None else vote_on_shards(group, names, vote_lambda)
+        t5 = time.perf_counter()
         states = group.state()
         group.close()
         dropped = group.drop(names)
-        return {"bits": bits, "opened": opened, "workers": states, "bounds": group.bounds, "dropped": dropped,
-                "seconds": {"start": t1 - t0, "scatter": t2 - t1, "check": t3 - t2, "aggregate": t4 - t3}}
+        return {"bits": bits, "opened": opened, "vote": vote, "workers": states, "bounds": group.bounds,
+                "dropped": dropped, "seconds": {"start": t1 - t0, "scatter": t2 - t1, "check": t3 - t2,
+                                                "aggregate": t4 - t3, "vote": t5 - t4}}
     finally:
         if party is not None:
             party.close()
@@ -77,8 +80,9 @@ def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np.nd
 
 def coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np.ndarray, counts: list,
                 norms: np.ndarray, deltas: np.ndarray, options: dict[str, Any],
-                peer, out, kill_worker: bool = False) -> None:
-    """Server ``rank``'s side: scatter its shares of the updates, check and aggregate on shards;
+                peer, out, kill_worker: bool = False, vote_lambda: float | None = None) -> None:
+    """Server ``rank``'s side: scatter its shares of the updates, check and aggregate on shards
+    (and, with ``vote_lambda``, BRACE's vote of every update with that lambda);
     sends ("ok", report) or ("error", text) through ``out``. ``kill_worker`` (a fault test):
     server 0 kills its last worker before the first attempt's check; each server then reports
     the failed attempt (its one-line error and the seconds from the check's start to the failure) and tries once
@@ -89,7 +93,7 @@ def coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, shares: np
     def attempt(n: int) -> dict:
         marks.clear()
         return _attempt(rank, keys_dir, ray_dir, workers, shares, counts, norms, deltas, options, peer,
-                        n, kill_worker and n == 1 and rank == 0, groups, marks)
+                        n, kill_worker and n == 1 and rank == 0, groups, marks, vote_lambda)
 
     def failure(exc: BaseException) -> dict:
         return {"check_failed_after_s": time.perf_counter() - marks["check"] if "check" in marks else None}
@@ -134,15 +138,16 @@ def _split(ring: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.n
 def run_round(keys_dir: str, workers: int, ring: np.ndarray, counts: list, norms: np.ndarray,
               deltas: np.ndarray, *, offline: str, dealer_address=None,
               kill_worker: bool = False, timeout: float = 120.0, seed: int = 7,
-              wait: float = 3600.0) -> list[tuple]:
+              wait: float = 3600.0, vote_lambda: float | None = None) -> list[tuple]:
     """Both servers' reports (rank 0, rank 1) of one round on ``workers`` worker pairs. ``ring``:
-    the (n, d) encoded updates, ``norms``, ``deltas``: (n,) encoded; shared here with ``seed``."""
+    the (n, d) encoded updates, ``norms``, ``deltas``: (n,) encoded; shared here with ``seed``;
+    ``vote_lambda``: BRACE's vote of the updates too (``vote_on_shards``)."""
     rng = np.random.default_rng(seed)
     shares = [_split(np.asarray(v, dtype=np.int64), rng) for v in (ring, norms, deltas)]
     options = {"offline": offline, "dealer_address": dealer_address, "timeout": timeout}
     return run_pair(coordinator, lambda r, ray_dir, peer, out: (
         r, str(keys_dir), ray_dir, workers, shares[0][r], list(counts), shares[1][r], shares[2][r], options,
-        peer, out, kill_worker), wait)
+        peer, out, kill_worker, vote_lambda), wait)
 
 
 def run_pair(target, args_of, wait: float) -> list[tuple]:

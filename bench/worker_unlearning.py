@@ -6,7 +6,8 @@ solves in its session with the other coordinator) and K Ray workers in that serv
 cluster (worker k holds coordinate shard k of every update, secant and estimate and computes on
 it with worker k of the other server). The two coordinators meet over a pipe as in
 ``bench/worker_round.py``. The history is ``bench/synthetic.py``'s (the same shares and exact
-updates as ``bench unlearning``), and the result is checked against the plaintext twin.
+updates as ``bench unlearning``; with ``--aggregator brace-sign`` made and replayed by BRACE's
+vote, each shard voted by its pair), and the result is checked against the plaintext twin.
 
 Reported per server: the whole job's seconds (workers started and sessions opened apart), each
 worker's peak RSS and traffic, the coordinator's peak RSS and traffic. The dealer mode's material
@@ -28,7 +29,7 @@ import torch
 
 from . import progress
 from .synthetic import SyntheticClients, SyntheticConfig, SyntheticHistory, load_data
-from .twin_check import plaintext_check
+from .twin_check import plaintext_check, replay_combine
 from .worker_round import answer_with_retries, run_pair
 
 __all__ = ["run_job", "bench"]
@@ -73,7 +74,8 @@ def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, cfg: Syntheti
         space = ShardSpace(group, cfg.num_params)
         params = StarfishParams(sigma=cfg.sigma, beta=cfg.beta, buffer=cfg.buffer, method=method, t_delta=t_delta)
         t1 = time.perf_counter()
-        res = run_stage2(party, ShardHistory(hist, space), list(cfg.targets), params, ShardClients(clients, space))
+        res = run_stage2(party, ShardHistory(hist, space), list(cfg.targets), params, ShardClients(clients, space),
+                         combine=replay_combine(cfg.aggregator, party.meter))
         job = time.perf_counter() - t1
         space.close()
         report = res.to_json()
@@ -145,7 +147,7 @@ def bench(cfg: SyntheticConfig, data_path: str, workers: int, offline: str, meth
         raise RuntimeError(failed[0].splitlines()[0] + "\n" + failed[0][-1500:])
     v0, v1 = (o[1] for o in out)
     progress.say("plaintext twin ...", quiet=quiet)
-    twin = plaintext_check(cfg, data_path, method, t_delta, v0, quiet)
+    twin = plaintext_check(cfg, data_path, method, t_delta, v0, quiet, cfg.aggregator)
     return {"workers": workers, "offline": offline, "wall_s": wall,
             "servers_agree": bool(np.array_equal(v0["model"], v1["model"])),
             "selected_rounds": v0["selected_rounds"], "flags": v0["flags"],

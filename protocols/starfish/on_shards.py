@@ -13,7 +13,8 @@ without communication) and runs the small rest in its own session with the other
   per-row OR here (one comparison, the one opened bit per client of the unsharded check);
 * the curvature test and RS's inner products: per shard sums, added; the decisions here;
 * an aggregate: a weighted sum per shard (local), each shard opened by its pair (the aggregate
-  is public, as unsharded).
+  is public, as unsharded); a replayed BRACE round (``robust_replay``): each shard's vote, per
+  coordinate, opened by its pair (the direction is public, as unsharded).
 
 What crosses shards is a few shares per client (B x B sums, counts, inner products), never an
 m-long value; what is opened is what the unsharded Stage II opens. Each worker keeps a value
@@ -22,7 +23,9 @@ dropped (zeroed) at every worker before the next program runs.
 
 Not on shards (yet): the reused Beaver masks of dealer mode (each pair multiplies Y z with its
 own triples) and the table-driven comparisons of SecTC (a pair counts with the generic
-comparison), so the traffic is that of the generic protocols; robust replays.
+comparison), so the traffic is that of the generic protocols; FedSECA's replay (its
+thresholds and CRISE need sums over all coordinates: a FedSECA history is replayed at the
+coordinators).
 """
 
 from __future__ import annotations
@@ -190,6 +193,13 @@ class ShardVector(_Held):
         bits = self.space.run(steps.weighted_program, out, [v.ref for v in values], [v.bits for v in values],
                               [float(w) for w in weights])[0]
         return ShardVector(self.space, (out, None), bits)
+
+    def brace_with(self, rows: list, lam: float) -> torch.Tensor:
+        """BRACE's vote over ``rows`` (shard vectors at any bits), each shard's voted and opened
+        by its pair (``robust_replay``): the opened +-1 direction, float64."""
+        parts = self.space.run(steps.brace_program, [r.ref for r in rows], [r.bits for r in rows], float(lam),
+                               self.space.block)
+        return torch.from_numpy(np.concatenate(parts)).to(torch.float64)
 
     def rescale(self, bits: int) -> ShardVector:
         out = self.space.name("r")

@@ -29,6 +29,11 @@ What is opened per round is the replayed direction, the same D values the FedAvg
 +-1 vote, FedSECA's g_tilde (with momentum applied afterwards, in the clear). The thresholds,
 signs, weights, clip factors, medians and counts stay shared.
 
+Rows on coordinate shards (``protocols.starfish.on_shards``, ``[deployment] workers`` > 1): a BRACE
+round's vote is coordinate-wise, so each worker pair votes on its shard and opens it
+(``shard_steps.brace_program``, the same lines as below on the shard's coordinates); a FedSECA
+round is refused there (its thresholds and CRISE sum over all coordinates).
+
 Rows in 2PC: an estimate is a raw sharing at 2F = 32 fractional bits (``update_estimation``);
 the rules' bounded sign tests need 16-bit encodings below 2**14, so the estimated rows are
 brought to F bits with one wrap-free truncation (within one unit; one call for all of them);
@@ -62,9 +67,10 @@ from protocols.robust_aggregation import brace_sign, fedseca, momentum
 from protocols.secure_quantile import secure_quantile_thresholds
 
 from protocols.backend import reveal, weighted_sum
+from protocols.sharded import is_sharded
 from .replay import Meter, no_meter
 
-__all__ = ["RoundRule", "RuleCombine", "FEDAVG"]
+__all__ = ["RoundRule", "RuleCombine", "FEDAVG", "rows_at_frac_bits"]
 
 RULES = ("fedavg", "fedseca", "brace-sign")
 
@@ -96,7 +102,7 @@ class RoundRule:
 FEDAVG = RoundRule()
 
 
-def _rows_at_frac_bits(rows: list) -> Any:
+def rows_at_frac_bits(rows: list) -> Any:
     """The K rows stacked at F fractional bits (2PC: the raw 32-bit estimates truncated once)."""
     if not any(B.is_shared(r) for r in rows):
         return torch.stack([torch.as_tensor(r, dtype=torch.float64).reshape(-1) for r in rows])
@@ -141,8 +147,10 @@ class RuleCombine:
         if rule.aggregator == "fedavg":
             self.buffer = None
             return reveal(weighted_sum(rows, weights)).to(torch.float64)
+        if any(is_sharded(r) for r in rows):
+            return self._on_shards(rule, rows)
         with self.meter("rescale"):
-            G = _rows_at_frac_bits(rows)
+            G = rows_at_frac_bits(rows)
         opened = self.open_rule(rule, G, t)
         if self.observe is not None:
             self.observe(t, rule, G, opened)
@@ -151,6 +159,18 @@ class RuleCombine:
         prev = None if (rule.restart or last != "fedseca") else self.buffer
         self.buffer = momentum(prev, opened, beta=rule.beta)
         return self.buffer
+
+    def _on_shards(self, rule: RoundRule, rows: list) -> torch.Tensor:
+        """Rows on coordinate shards (``protocols.starfish.on_shards``): BRACE's vote is
+        coordinate-wise, so each worker pair votes on its shard and opens it (the direction the
+        replay opens anyway); nothing crosses shards. ``observe`` is not called: the rows stay at
+        the workers. FedSECA's thresholds and CRISE need sums over all coordinates, which are not
+        written for shards: such a history is replayed at the coordinators
+        (``servers.secure.unlearning_jobs.on_shards``)."""
+        if rule.aggregator != "brace-sign" or not all(is_sharded(r) for r in rows):
+            raise ValueError(f"a {rule.aggregator} round cannot be replayed on coordinate shards: "
+                             "replay its history at the coordinators")
+        return rule.step * rows[0].brace_with(rows, rule.vote_lambda(len(rows)))
 
     def open_rule(self, rule: RoundRule, G: Any, t: int) -> torch.Tensor:
         """What round ``t`` opens: BRACE's vote, FedSECA's g_tilde (float64, length D)."""

@@ -20,13 +20,15 @@ from common.offline_mode import OfflineMode
 from mpc.crypten_compat import crypten
 from protocols import backend as B
 from protocols.inner_product import inner_raw
+from protocols.robust_aggregation import brace_sign
 from protocols.threshold import exceed_counts_blocked
 
 from .pair_buffers import curvature_sums
+from .robust_replay import rows_at_frac_bits
 from .update_estimation import HvpCoefficients, hvp_apply, hvp_sums
 
 __all__ = ["Ref", "share_of", "wrap", "sub_program", "weighted_program", "rescale_program", "open_program",
-           "hvp_sums_program", "hvp_apply_program", "counts_program", "inner_program", "curvature_program",
+           "hvp_sums_program", "hvp_apply_program", "counts_program", "inner_program", "curvature_program", "brace_program",
            "BLOCK", "TWO_PARTY_BLOCK", "block_for", "batch_values", "row_chunks"]
 
 #: (name, row): the named share at a worker, or its row ``row``
@@ -207,3 +209,19 @@ def curvature_program(party, worker, refs: list, bits: int, s_name: str) -> tupl
     with party.meter("pairs"):
         ss, u, yy = curvature_sums(_public(worker, s_name), [wrap(_array(worker, r), bits) for r in refs])
     return ss, share_of(u), share_of(yy)
+
+
+def brace_program(party, worker, refs: list, bits: list[int], lam: float, block: int = BLOCK) -> np.ndarray:
+    """BRACE's vote (``robust_aggregation.brace_sign``) on this shard's coordinates of the rows
+    ``refs`` (each at its ``bits``: estimates at 2F, exact updates at F), opened: the +-1 direction
+    a replayed BRACE round opens anyway. The vote is coordinate-wise, so a shard's part is the
+    vote of its coordinates; ``block`` values (all rows of a range of coordinates) per batch."""
+    m = _array(worker, refs[0]).shape[-1]
+    step = max(1, batch_values(party, block) // max(1, len(refs)))
+    out = np.empty(m, dtype=np.int64)
+    with party.meter("aggregate"):
+        for lo in range(0, m, step):
+            hi = min(m, lo + step)
+            G = rows_at_frac_bits([wrap(_array(worker, r)[lo:hi], b) for r, b in zip(refs, bits)])
+            out[lo:hi] = B.reveal(brace_sign(G, lam=lam, meter=party.meter)).numpy()
+    return out

@@ -146,7 +146,8 @@ class RoundCoordinator:
         """This server's side of round r's robust aggregation; what it opened is kept durably
         (``ServiceState.put_opened``) before anyone can commit with it."""
         t0 = time.monotonic()
-        opened = aggregate_round_uploads(self.RANK, self.cfg, self.store, r, parts, self.mpc_listener)
+        opened = aggregate_round_uploads(self.RANK, self.cfg, self.store, r, parts, self.mpc_listener,
+                                         workers=self.workers)
         gone = set(opened.threshold_refused)
         if gone:
             self._threshold_refused.setdefault(r, set()).update(gone)
@@ -160,10 +161,10 @@ class RoundCoordinator:
         tot = opened.meters["total"]
         # one parseable line per round (the demo reports the per-round cost from it)
         log.info("round %d aggregated by %s in 2PC: %d clients checked, %d kept; online_bytes=%d "
-                 "offline_bytes=%d rounds=%d seconds=%.3f served_ahead=%d", r, self.cfg.fl.aggregator,
+                 "offline_bytes=%d rounds=%d seconds=%.3f served_ahead=%d pairs=%d", r, self.cfg.fl.aggregator,
                  len(parts), len(opened.participants), tot["online_bytes_sent"] + tot["online_bytes_received"],
                  tot.get("offline_bytes_sent", 0) + tot.get("offline_bytes_received", 0),
-                 tot["online_rounds"], time.monotonic() - t0, opened.served_ahead)
+                 tot["online_rounds"], time.monotonic() - t0, opened.served_ahead, len(opened.meters.get("pairs", ())))
         return record, opened.vector
 
     def _robust_rule(self, r: int, record: dict, vector: np.ndarray) -> tuple[np.ndarray, dict]:

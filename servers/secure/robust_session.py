@@ -13,7 +13,11 @@ Byzantine-robust rule, which needs comparisons on the shares. So, after the rang
   |g_k|?), the clients whose bit is 0 are left out, FedSECA runs on the others' updates with
   their thresholds (the check and the rule share one call of sign tests), and the aggregate
   g_tilde (D values) is opened;
-* ``brace-sign``: ``brace_sign`` on the participants' updates; the +-1 vote is opened.
+* ``brace-sign``: ``brace_sign`` on the participants' updates; the +-1 vote is opened. With
+  ``[deployment] workers`` > 1 the vote runs on the workers' coordinate shards (it is
+  coordinate-wise): the session above only meets the pairs (``ServerWorkers.brace_vote``), each
+  pair votes on its shard and opens it; FedSECA's rule runs here (its CRISE and clipping sum
+  over all coordinates).
 
 Nothing else is opened (``protocols/robust_aggregation.py``, "What is opened"); both servers
 get the same vector. The step rule that turns it into M_r is ``servers.secure.robust_steps``.
@@ -27,6 +31,7 @@ import hashlib
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -39,7 +44,7 @@ from servers.secure.robust_steps import brace_vote_lambda
 from servers.secure.round_checks import open_round_session
 from servers.store.share_store import ShareStore
 
-__all__ = ["OpenedAggregate", "aggregate_round_uploads", "aggregate_digest"]
+__all__ = ["OpenedAggregate", "VoteWorkers", "aggregate_round_uploads", "aggregate_digest", "with_pairs"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,14 @@ class OpenedAggregate:
     served_ahead: int = 0
 
 
+class VoteWorkers(Protocol):
+    """A server's workers as a BRACE round uses them (``servers.workers.server_workers.ServerWorkers``)."""
+
+    def brace_vote(self, store: ShareStore, r: int, participants: Sequence[int], party: Any, ticket: bytes,
+                   lam: float) -> tuple[np.ndarray, list[dict]]:
+        """The round's opened vote, its shards voted by the worker pairs; the pairs' meters."""
+
+
 def aggregate_digest(vector: np.ndarray) -> str:
     """SHA-256 of the opened aggregate's float64 bytes (the servers compare it at the close)."""
     return hashlib.sha256(np.ascontiguousarray(vector, dtype="<f8").tobytes()).hexdigest()
@@ -63,8 +76,10 @@ def aggregate_digest(vector: np.ndarray) -> str:
 
 def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, round_no: int,
                             participants: Sequence[int],
-                            mpc_listener: socket.socket | None) -> OpenedAggregate:
-    """Run this server's side of round ``round_no``'s robust aggregation (see the module doc)."""
+                            mpc_listener: socket.socket | None,
+                            workers: VoteWorkers | None = None) -> OpenedAggregate:
+    """Run this server's side of round ``round_no``'s robust aggregation (see the module doc);
+    ``workers``: this server's ``ServerWorkers`` (BRACE's vote then runs on their shards)."""
     parts = list(participants)
     fl = cfg.fl
     if fl.aggregator not in ("fedseca", "brace-sign"):
@@ -72,6 +87,14 @@ def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, ro
     if not parts:
         raise ValueError("a robust aggregation needs at least one participant")
     party = open_round_session(rank, cfg, round_no, "aggregate", parts, mpc_listener)
+    if workers is not None and fl.aggregator == "brace-sign":
+        try:
+            ticket = f"round:{round_no}:vote-shards:{party.extras['session_id']}".encode()
+            vector, pairs = workers.brace_vote(store, round_no, parts, party, ticket, brace_vote_lambda(fl, len(parts)))
+            meters = with_pairs(party.meters(), pairs)
+        finally:
+            party.close()
+        return OpenedAggregate(tuple(parts), tuple(parts), (), vector.astype(np.float64), meters)
     try:
         prec = store.precision
         rows = [party.wrap_share(store.staged_upload(round_no, j).update, precision=prec) for j in parts]
@@ -86,6 +109,16 @@ def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, ro
         party.close()
     return OpenedAggregate(tuple(parts), tuple(parts[k] for k in kept),
                            tuple(j for k, j in enumerate(parts) if k not in kept), vector, meters, served)
+
+
+def with_pairs(meters: dict, pairs: Sequence[dict]) -> dict:
+    """A session's meters with its worker pairs' traffic added to its totals (a round's cost)."""
+    total = dict(meters["total"])
+    for m in pairs:
+        for k, v in m.get("total", {}).items():
+            if isinstance(v, (int, float)):
+                total[k] = total.get(k, 0) + v
+    return dict(meters, total=total, pairs=list(pairs))
 
 
 def _aggregate(party, fl, store: ShareStore, round_no: int, parts: list[int], rows: list,

@@ -60,11 +60,17 @@ class JobWorkers(Protocol):
         """Close the pairs' sessions (or, after a failure, end the workers); their meters."""
 
 
+#: the rules whose replay runs on the workers' shards (``protocols.starfish.robust_replay``)
+SHARDED_RULES = ("fedavg", "brace-sign")
+
+
 def on_shards(cfg: ServiceConfig, store: ShareStore, rounds: int) -> bool:
     """Whether a job over rounds 1..``rounds`` runs on the workers: a deployment with workers
-    whose history was aggregated by FedAvg throughout (a robust replay runs at the coordinator:
-    its rules are not written for shards yet). Both servers decide alike (config and metadata)."""
-    return cfg.workers > 1 and all(store.metadata(t).get("aggregator", "fedavg") == "fedavg"
+    whose history was aggregated by FedAvg or BRACE (a coordinate-wise vote, replayed per shard).
+    A history with a FedSECA round is replayed at the coordinator: its thresholds and CRISE need
+    sums over all coordinates, not written for shards. Both servers decide alike (config and
+    metadata)."""
+    return cfg.workers > 1 and all(store.metadata(t).get("aggregator", "fedavg") in SHARDED_RULES
                                    for t in range(1, rounds + 1))
 
 

@@ -33,7 +33,7 @@ from net import tls
 from servers.store.crash_points import checkpoint, planned
 from servers.store.share_store import ShareStore
 
-from .sharded_round import check_on_shards
+from .sharded_round import check_on_shards, vote_on_shards
 from .worker_group import WorkerGroup, connect_cluster
 
 __all__ = ["ServerWorkers", "PreparedCheck", "missing_worker_keys"]
@@ -211,18 +211,44 @@ class ServerWorkers:
         """The pairs' sessions ``ticket`` for a job (``servers.secure.unlearning_jobs.JobWorkers``):
         server 1 sends where its workers wait over the job's own session, server 0 reads it."""
         def meet(group: WorkerGroup) -> WorkerGroup:
-            if self.rank == 1:
-                party.channel.send_frame(KIND_OBJECT, wire.pack({"workers": [f"{h}:{p}" for h, p in self.addresses()]}))
-                peers = None
-            else:
-                msg = wire.unpack(party.channel.recv_frame(KIND_OBJECT), 1 << 16)
-                peers = [(h, int(p)) for h, _, p in (a.rpartition(":") for a in msg.get("workers", []))]
-                if len(peers) != self.cfg.workers:
-                    raise RuntimeError(f"server 1 runs {len(peers)} workers and this server {self.cfg.workers}: "
-                                       "[deployment] workers must be the same at both servers")
-            group.open(ticket, peers)
+            self._meet(group, party, ticket)
             return _JobSeam(group) if planned(JOB_SEAM) else group
         return self._guarded(meet)
+
+    def _meet(self, group: WorkerGroup, party: Any, ticket: bytes) -> None:
+        """Open the pairs' sessions ``ticket``: server 1 sends where its workers wait over the
+        coordinators' session ``party``, server 0 reads it."""
+        if self.rank == 1:
+            party.channel.send_frame(KIND_OBJECT, wire.pack({"workers": [f"{h}:{p}" for h, p in self.addresses()]}))
+            peers = None
+        else:
+            msg = wire.unpack(party.channel.recv_frame(KIND_OBJECT), 1 << 16)
+            peers = [(h, int(p)) for h, _, p in (a.rpartition(":") for a in msg.get("workers", []))]
+            if len(peers) != self.cfg.workers:
+                raise RuntimeError(f"server 1 runs {len(peers)} workers and this server {self.cfg.workers}: "
+                                   "[deployment] workers must be the same at both servers")
+        group.open(ticket, peers)
+
+    # ------------------------------------------------------------------ a BRACE round's vote
+    def brace_vote(self, store: ShareStore, r: int, participants: Sequence[int], party: Any, ticket: bytes,
+                   lam: float) -> tuple[np.ndarray, list[dict]]:
+        """Round ``r``'s BRACE vote over the participants' staged uploads on the shards: the
+        pairs' sessions ``ticket`` met through ``party``, each shard voted and opened by its pair
+        (``sharded_round.vote_on_shards``), the shares dropped. The opened +-1 vector and the
+        pairs' meters."""
+        names = [f"round{r}/vote/client{j}" for j in participants]
+
+        def run(group: WorkerGroup) -> tuple[np.ndarray, list[dict]]:
+            # after a failure the workers are ended (``_guarded``), their shares with them
+            self._meet(group, party, ticket)
+            for n, j in zip(names, participants):
+                group.scatter(n, store.staged_upload(r, j).update)
+            vote = vote_on_shards(group, names, lam, store.precision)
+            group.drop(names)
+            meters = group.meters()
+            group.close()
+            return vote, meters
+        return self._guarded(run)
 
     def end_job(self, failed: str | None) -> list[dict]:
         """After a job's run: each pair's meters and its session closed, or (``failed``: why) the

@@ -6,7 +6,9 @@ range check: each worker pair computes its shard's parts (``shard_programs.range
 the coordinator adds its workers' shares of them (local: additive shares add) and the two
 coordinators decide in their own small session (``protocols.upload_range.verdict_from_partials``:
 one opened bit per client). The aggregate: each pair opens its shard of the exact weighted ring
-sum (``shard_programs.open_weighted_sum``) and the coordinator puts the shards side by side.
+sum (``shard_programs.open_weighted_sum``) and the coordinator puts the shards side by side. A
+BRACE round's vote: each pair votes on its shard's coordinates and opens them
+(``protocols.starfish.shard_steps.brace_program``, the vote Stage II's replay runs on shards).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import numpy as np
 import torch
 
 from common.encoding import DEFAULT_PRECISION
+from protocols.starfish.shard_steps import brace_program
 from protocols.upload_range import DEFAULT_BOUND_BITS, shard_chunks, verdict_from_partials
 
 from .shard_programs import open_weighted_sum, range_partials
 from .shards import join
 from .worker_group import WorkerGroup
 
-__all__ = ["check_on_shards", "aggregate_on_shards"]
+__all__ = ["check_on_shards", "aggregate_on_shards", "vote_on_shards"]
 
 
 def _ring_sum(parts: Sequence[np.ndarray]) -> torch.Tensor:
@@ -49,3 +52,10 @@ def check_on_shards(group: WorkerGroup, party: Any, names: Sequence[str], norms:
 def aggregate_on_shards(group: WorkerGroup, names: Sequence[str], counts: Sequence[int]) -> np.ndarray:
     """sum_j n_j enc(g_j) over every coordinate, opened shard by shard (both servers get it)."""
     return join(group.run(open_weighted_sum, list(names), [int(c) for c in counts]))
+
+
+def vote_on_shards(group: WorkerGroup, names: Sequence[str], lam: float,
+                   precision: int = DEFAULT_PRECISION) -> np.ndarray:
+    """BRACE's vote (+1 where sum_j sgn(g_j) > lam, else -1) over the updates ``names`` (the
+    workers' shares, at ``precision`` bits), opened shard by shard (both servers get it)."""
+    return join(group.run(brace_program, [(n, None) for n in names], [precision] * len(names), float(lam)))

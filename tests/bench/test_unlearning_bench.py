@@ -106,31 +106,37 @@ def test_scaling_measures_each_link_profile(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
-def test_unlearning_benchmark_on_two_workers_per_server_equals_the_twin(tmp_path):
+@pytest.mark.parametrize("aggregator", ["fedavg", "brace-sign"])
+def test_unlearning_benchmark_on_two_workers_per_server_equals_the_twin(tmp_path, aggregator):
     """``bench unlearning --workers 2`` (each server a coordinator and 2 Ray workers in its own
     cluster): both servers' models equal, and the run's public decisions equal the plaintext
-    Stage II here; each worker reports its memory and traffic. (A worker killed mid-job, and the
-    daemon's next run: ``tests/servers/test_service_workers.py``.)"""
+    Stage II here; each worker reports its memory and traffic. A BRACE-made history is replayed
+    with BRACE's vote, each shard's by its pair (the twin replays it with the same rule). (A
+    worker killed mid-job, and the daemon's next run: ``tests/servers/test_service_workers.py``.)"""
     pytest.importorskip("ray")
     from protocols.starfish import StarfishParams, run_stage2
+    from protocols.starfish.robust_replay import RuleCombine
 
     out = tmp_path / "w.json"
     assert unlearning.main(["--config", "tiny", "--workers", "2", "--profile", "none", "--offline", "dealer",
-                            "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]) == 0
+                            "--aggregator", aggregator, "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     res = doc["result"]
     assert doc["correct"] and res["servers_agree"] and res["workers"] == 2
     twin = res["plaintext_twin"]
     assert twin["selected_rounds_equal"] and twin["flags_equal"] and twin["max_abs_diff"] <= 1e-3
-    cfg = synthetic.config("tiny")
+    cfg = synthetic.config("tiny").with_(aggregator=aggregator)
     h = synthetic.SyntheticHistory(cfg, synthetic.load_data(synthetic.prepare(cfg, tmp_path / "cache")), None)
+    combine = None if aggregator == "fedavg" else RuleCombine(synthetic.rule_of(aggregator))
     plain = run_stage2(None, h, list(cfg.targets), StarfishParams(method=doc["round_selection"]),
-                       synthetic.SyntheticClients(h))
+                       synthetic.SyntheticClients(h), combine=combine)
     assert res["selected_rounds"] == plain.selected_rounds
     assert res["flags"] == {str(k): v for k, v in plain.flags.items()}
     for server in res["servers"]:
         assert len(server["workers"]) == 2
         assert all(w["online"] > 0 and w["peak_rss_mib"] > 0 for w in server["workers"])
+        # the vote's sign tests ran at the workers, none at the coordinator
+        assert not any(step.endswith("signs") for step in server["coordinator"]["steps"])
 
 
 @settings(max_examples=50, deadline=None)
@@ -184,3 +190,13 @@ def test_unlearning_benchmark_holds_a_robust_replay_to_the_twin_step_by_step(tmp
     assert unlearning.main(argv) == 1
     bad = json.loads(out.read_text())["step_check"]
     assert not bad["met"] and bad["steps"][0]["rows_max_diff"] >= 2.0**-6 - 2e-5
+
+
+def test_unlearning_on_workers_refuses_a_fedseca_history_in_one_line(tmp_path, capsys):
+    """FedSECA's replay is not on shards (its thresholds sum over all coordinates): ``--workers``
+    says so before it makes any history."""
+    assert unlearning.main(["--config", "tiny", "--workers", "2", "--profile", "none", "--aggregator", "fedseca",
+                            "--cache-dir", str(tmp_path / "cache"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "FedSECA" in err and "drop --workers" in err
+    assert not (tmp_path / "cache").exists()

@@ -89,3 +89,29 @@ def replay_combine_rounds(party, rounds: list, rules: dict) -> list:
         w = [1.0 / len(rows)] * len(rows)
         out.append(combine(rows, w, list(range(len(rows))), rnd["t"]).numpy().copy())
     return out
+
+
+def replay_combine_rounds_on_shards(party, rounds: list, rules: dict, k: int, block: int) -> list:
+    """As :func:`replay_combine_rounds`, each round's rows put on ``k`` coordinate slices
+    (``tests.helpers.shard_slices``) as a server's workers hold them, ``block`` values per
+    batch; a round the shards cannot replay gives its error text. Returns the opened directions
+    and what the slices still hold once the rows are released."""
+    from protocols.starfish.on_shards import ShardSpace
+    from protocols.starfish.robust_replay import RoundRule, RuleCombine
+    from tests.helpers.shard_slices import SliceShards
+
+    dim = len(rounds[0]["rows"][0])
+    slices = SliceShards(party, dim, k)
+    space = ShardSpace(slices, dim, block)
+    combine = RuleCombine(lambda t: RoundRule(**rules[t]))
+    out = []
+    for rnd in rounds:
+        rows = [space.put(B.lift(_shared(g, 0), 32) if wide else _shared(g, 0))
+                for g, wide in zip(rnd["rows"], rnd["wide"])]
+        try:
+            out.append(combine(rows, [1.0 / len(rows)] * len(rows), list(range(len(rows))), rnd["t"]).numpy().copy())
+        except ValueError as exc:
+            out.append(str(exc))
+        del rows
+    space.close()
+    return [out, slices.held()]

@@ -90,10 +90,10 @@ def _committed(dep: Deployment, p: int) -> int:
 
 
 def _run(root, aggregator: str, crash: str | None, *, rounds: int = ROUNDS, offline: str = "dealer",
-         restart_server1_before: int | None = None) -> dict:
+         restart_server1_before: int | None = None, workers: int = 1) -> dict:
     """Start a deployment, upload ``rounds`` rounds (restarting a server the crash seam killed,
     and server 1 before round ``restart_server1_before``), stop it and return what the oracles need."""
-    dep = Deployment(root, clients=N, offline=offline, overrides={"fl": {
+    dep = Deployment(root, clients=N, offline=offline, workers=workers, overrides={"fl": {
         "rounds": rounds, "aggregator": aggregator, "server_lr": LR, "round_deadline": 120.0,
         "fedseca_gamma": GAMMA, "fedseca_beta": BETA}})
     out: dict = {"refusals": {}, "sent": {}, "restarted": False}
@@ -252,3 +252,19 @@ def test_brace_sign_in_two_party_mode_makes_its_correlations_without_a_dealer(tm
         {j: torch.from_numpy(g) for j, g in run["rows"][1].items()}, {}).numpy()
     assert np.array_equal(run["models"][1], run["models"][0] - LR * vote)
     assert "round 1 aggregated by brace-sign in 2PC" in run["logs"][0]
+
+
+def test_brace_sign_on_two_workers_per_server_votes_shard_by_shard_and_equals_the_twin(tmp_path):
+    """``[deployment] workers = 2`` (issue 30): each round's range check and BRACE's vote run on
+    the worker pairs' coordinate shards (the vote is coordinate-wise: each pair opens its shard's
+    +-1 values), and the models equal the plaintext BRACE rounds on the stored updates exactly."""
+    pytest.importorskip("ray")
+    run = _run(tmp_path, "brace-sign", None, rounds=2, workers=2)
+    assert run["same"]
+    twin = BraceSign(lam=None, scale=0.5, decay=0.5)
+    for r in (1, 2):
+        assert run["parts"][r] == tuple(range(N))
+        direction = twin.direction({j: torch.from_numpy(g) for j, g in run["rows"][r].items()}, {}).numpy()
+        assert np.array_equal(run["models"][r], run["models"][r - 1] - LR * direction), r
+        for p in (0, 1):
+            assert re.search(rf"round {r} aggregated by brace-sign in 2PC: .* pairs=2\b", run["logs"][p]), run["logs"][p]

@@ -72,6 +72,9 @@ def _tag(keys) -> str:
     return hashlib.sha256(os.path.abspath(keys).encode()).hexdigest()[:8]
 
 
+VOTE_LAMBDA = 0.5
+
+
 def _run(tmp_path, workers, counts, updates, norms, deltas):
     """One FL round's check and aggregate on shards in two-party mode, server 0's worker 1 killed
     before its first attempt (``bench.worker_round.run_round``)."""
@@ -83,14 +86,15 @@ def _run(tmp_path, workers, counts, updates, norms, deltas):
     enc = lambda v: np.trunc(np.asarray(v) * 2**16).astype(np.int64)   # noqa: E731
     ring = enc(updates)
     out = run_round(str(keys), workers, ring, counts, enc(norms), enc(deltas), offline="two-party",
-                    dealer_address=None, kill_worker=True, timeout=120.0, wait=240.0)
+                    dealer_address=None, kill_worker=True, timeout=120.0, wait=240.0, vote_lambda=VOTE_LAMBDA)
     return ring, out
 
 
 def test_two_workers_per_server_check_and_aggregate_each_shard_exactly(tmp_path):
     """A round on shards in two-party mode: the range check's bits equal the unsharded twin's
     (client 1 lies about its norm, client 3 has one coordinate out of the window, in shard 1),
-    and the opened weighted ring sum equals numpy's exactly.
+    and the opened weighted ring sum equals numpy's exactly, and so does BRACE's vote (each pair
+    votes on its shard; exact zeros vote 0, and some coordinates' votes tie).
 
     Server 0's worker 1 is killed first, with its pair's session open and its shares held: both
     coordinators' first attempt fails within seconds of the check's start (its session's timeout
@@ -104,6 +108,8 @@ def test_two_workers_per_server_check_and_aggregate_each_shard_exactly(tmp_path)
     n, d, workers = 4, 1001, 2
     updates = rng.normal(size=(n, d))
     updates[3, 900] = 5000.0
+    updates[:2, 490:520] = 0.0                 # zeros across the shards' border (500)
+    updates[2, 490:500] = -updates[3, 490:500]   # ties: the vote's total 0 there
     norms = np.linalg.norm(updates, axis=1)
     norms[1] /= 2
     deltas = np.quantile(np.abs(updates), 0.9, axis=1)
@@ -127,6 +133,8 @@ def test_two_workers_per_server_check_and_aggregate_each_shard_exactly(tmp_path)
         bits, opened, states, bounds, dropped = (o[k] for k in ("bits", "opened", "workers", "bounds", "dropped"))
         assert bits == want_bits
         assert np.array_equal(opened, want)         # both servers open the same exact sum
+        total = np.sign(ring).sum(axis=0)
+        assert np.array_equal(o["vote"], np.where(total > np.floor(VOTE_LAMBDA), 1.0, -1.0))
         assert bounds == shard_bounds(d, workers)
         assert [s["name"] for s in states] == [f"server{rank}-w{k}" for k in range(workers)]
         assert [s["shares"] for s in states] == [n] * workers

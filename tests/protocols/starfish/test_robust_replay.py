@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from protocols.backend import weight_integers
 from protocols.robust_aggregation import momentum
 from protocols.starfish.robust_replay import RoundRule, RuleCombine
 from tests.helpers import robust_aggregation_programs as rap
@@ -76,3 +79,63 @@ def test_the_lab_rule_and_a_round_rule_name_the_same_step():
     d1 = fed([*g], [1 / 3] * 3, [0, 1, 2], 1)
     d2 = fed([*g], [1 / 3] * 3, [0, 1, 2], 2)
     torch.testing.assert_close(d2, momentum(d1, d1 / 0.5, 0.5))
+
+
+@st.composite
+def sharded_rounds(draw) -> dict:
+    """Replayed rounds of one dimension D, each K rows on the 16-bit grid with |g| < 2**4 (the
+    vote's sign tests hold |g| < 2**15), exact zeros among them, some rows at 32 bits; rules
+    BRACE (lambda fixed anywhere around -K..K, or per 100 voters) and FedAvg, in any order."""
+    d = draw(st.integers(1, 40))
+    rounds, rules = [], {}
+    for t in range(1, draw(st.integers(1, 4)) + 1):
+        n = draw(st.integers(1, 7))
+        ints = draw(st.lists(st.lists(st.one_of(st.just(0), st.integers(-(1 << 20), 1 << 20)),
+                                      min_size=d, max_size=d), min_size=n, max_size=n))
+        rows = list(np.asarray(ints, dtype=np.float64) * LSB)
+        rounds.append({"t": t, "rows": rows, "wide": draw(st.lists(st.booleans(), min_size=n, max_size=n))})
+        if draw(st.booleans()):
+            lam = draw(st.one_of(st.none(), st.floats(-n - 2, n + 2, allow_nan=False)))
+            rules[t] = {"aggregator": "brace-sign", "step": draw(st.sampled_from([1.0, 0.5, 0.01])), "lam": lam,
+                        "lam_per_100": draw(st.floats(0, 50, allow_nan=False))}
+        else:
+            rules[t] = {"aggregator": "fedavg"}
+    return {"rounds": rounds, "rules": rules, "k": draw(st.integers(1, min(d, 4))),
+            "block": draw(st.integers(1, 4 * d))}
+
+
+@settings(max_examples=max(1, settings.default.max_examples // 3), deadline=None)
+@given(case=sharded_rounds())
+def test_a_brace_replay_on_coordinate_shards_equals_the_twin(pair_in_each_mode, case):
+    """Rows on K coordinate shards (issue 30): each shard's pair votes on its coordinates and
+    opens them; the opened direction equals the twin's BRACE vote exactly (a FedAvg round: the
+    exact sum with the weights on their public grid), and nothing stays on the shards once the
+    rows are released."""
+    rounds, rules = case["rounds"], case["rules"]
+    (got, held), (got1, held1) = pair_in_each_mode.call(rap.replay_combine_rounds_on_shards, rounds, rules,
+                                                        case["k"], case["block"])
+    assert held == held1 == 0
+    twin = RuleCombine(lambda t: RoundRule(**rules[t]))
+    for rnd, a, b in zip(rounds, got, got1):
+        np.testing.assert_array_equal(a, b)
+        rows = [torch.from_numpy(g) for g in rnd["rows"]]
+        want = twin(rows, [1.0 / len(rows)] * len(rows), list(range(len(rows))), rnd["t"]).numpy()
+        if rules[rnd["t"]]["aggregator"] == "brace-sign":
+            np.testing.assert_array_equal(a, want)
+        else:
+            # FedAvg's sum is exact in the ring with the weights on their public grid
+            # (``backend.weight_integers``): the twin's sum with those weights
+            ints, e = weight_integers([1.0 / len(rows)] * len(rows))
+            exact = sum(w * g for w, g in zip(ints, rnd["rows"])) / 2.0 ** e
+            np.testing.assert_allclose(a, exact, rtol=1e-12, atol=1e-12)
+
+
+def test_a_fedseca_round_on_coordinate_shards_is_refused_with_one_line(pair):
+    """FedSECA's thresholds and CRISE need sums over all coordinates: its replay is not on
+    shards, and a round of it there says so (the service replays such a history at the
+    coordinators, ``unlearning_jobs.on_shards``)."""
+    rounds = [{"t": 1, "rows": [np.full(6, LSB), np.full(6, -LSB)], "wide": [False, True]}]
+    (got, held), _ = pair.call(rap.replay_combine_rounds_on_shards, rounds,
+                               {1: {"aggregator": "fedseca", "gamma": 0.5}}, 2, 8)
+    assert got == ["a fedseca round cannot be replayed on coordinate shards: replay its history at the coordinators"]
+    assert held == 0
