@@ -51,7 +51,7 @@ from mpc.correlations import TABLE_CHUNKS, words_as_tables
 from mpc.crypten_compat import crypten
 from mpc.nonnegative import and_gates, nonnegative, plane_to_arith
 
-__all__ = ["supported", "rows_exceed", "negative_bounded", "MAX_DROP", "BOUND"]
+__all__ = ["supported", "rows_exceed", "rows_exceed_shares", "negative_bounded", "MAX_DROP", "BOUND"]
 
 MAX_DROP = 30          # the local truncation into 32 bits is exact up to its carry for drop <= 30
 _LOW31 = np.uint32(0x7FFFFFFF)
@@ -158,14 +158,39 @@ def rows_exceed(x: np.ndarray, drop: int, d: np.ndarray, d_shared: bool = True) 
     ``x``: this party's int64 ring shares (rows, m); ``d``: its shares of the thresholds (rows,)
     at the precision of the truncated x, or (``d_shared=False``) the public encoded thresholds.
     """
-    comm, rank, _ = _context()
+    comm, _, _ = _context()
+    inside = _inside_rows(x, drop, d, d_shared)
+    if inside is None:
+        return np.zeros(x.shape[0], dtype=bool)
+    opened = comm.all_reduce(inside, op=ReduceOp.BXOR)
+    return opened.numpy() == 0
+
+
+def rows_exceed_shares(x: np.ndarray, drop: int, d: np.ndarray, d_shared: bool = True) -> np.ndarray:
+    """This party's ring shares (rows,), scale 1, of the bit :func:`rows_exceed` would open, left
+    shared: what a coordinate shard's pair hands its coordinator, which adds the shards' bits and
+    opens [sum >= 1] once (``protocols.starfish.on_shards``). One more round than
+    :func:`rows_exceed` (the XOR-shared bits become ring shares, ``plane_to_arith``)."""
+    _, rank, _ = _context()
+    rows = x.shape[0]
+    inside = _inside_rows(x, drop, d, d_shared)
+    if inside is None:
+        return np.zeros(rows, dtype=np.int64)
+    outside = inside.numpy().astype(np.uint8) ^ np.uint8(1 if rank == 0 else 0)   # party 0 flips the XOR
+    packed = np.packbits(outside, bitorder="little")
+    plane = torch.from_numpy(np.pad(packed, (0, -packed.size % 8)).view(np.int64))
+    return plane_to_arith(plane, rows, min(rows, 64)).numpy().astype(np.int64)
+
+
+def _inside_rows(x: np.ndarray, drop: int, d: np.ndarray, d_shared: bool) -> torch.Tensor | None:
+    """XOR shares (rows,) of "no |y| in the row reaches |d|" (module docstring); None where no
+    row has a coordinate (nothing exceeds, nothing to compute)."""
+    _, rank, _ = _context()
     rows, m = x.shape
     if not 0 <= drop <= MAX_DROP:
         raise ValueError(f"rows_exceed drops 0..{MAX_DROP} bits, got {drop}")
-    if rows == 0:
-        return np.zeros(0, dtype=bool)
-    if m == 0:
-        return np.zeros(rows, dtype=bool)
+    if rows == 0 or m == 0:
+        return None
     d = np.ascontiguousarray(d, dtype=np.int64)
     if d_shared:   # |d|: a sign test and one product of rows values
         dm = crypten.mpc.MPCTensor.from_shares(torch.from_numpy(d), precision=0)
@@ -180,6 +205,4 @@ def rows_exceed(x: np.ndarray, drop: int, d: np.ndarray, d_shared: bool = True) 
     n = u.size
     flat = np.unpackbits(negative.numpy().view(np.uint8), count=n, bitorder="little")
     per_row = flat.reshape(2, rows, m).transpose(1, 0, 2).reshape(rows, 2 * m)
-    inside = _and_rows(per_row, rank)                            # every |y| < D in the row
-    opened = comm.all_reduce(inside, op=ReduceOp.BXOR)
-    return opened.numpy() == 0
+    return _and_rows(per_row, rank)                              # every |y| < D in the row

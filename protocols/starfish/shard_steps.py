@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from common.offline_mode import OfflineMode
+from mpc import table_compare
 from mpc.crypten_compat import crypten
 from protocols import backend as B
 from protocols.inner_product import inner_raw
@@ -170,25 +171,48 @@ def hvp_apply_program(party, worker, out: str, y_refs: list, y_bits: int, stored
 
 def counts_program(party, worker, refs: list, bits: int, thresholds: tuple[np.ndarray, int],
                    block: int = BLOCK) -> np.ndarray:
-    """SecTC's per-row count of coordinates at or above the threshold on this shard (a share),
-    rescaled and compared ``block`` values at a time. ``refs``: a list of client rows (no rows:
-    no counts), or one reference to a whole array."""
+    """SecTC on this shard: per row, a share of a count the coordinator adds over the shards and
+    compares with 1 (``flags_from_counts``), ``block`` values at a time. ``refs``: a list of
+    client rows (no rows: no counts), or one reference to a whole array.
+
+    Dealer mode (``_table_counts``): per row and batch, the bit "some coordinate reaches the
+    threshold" from the table-driven sign tests of the unsharded dealer-mode check (about 24 bytes
+    a coordinate), so the sum counts the batches with a hit. Otherwise: rescaled, then the number
+    of coordinates at or above the threshold (generic comparison, about 91 bytes a coordinate)."""
     d, d_bits = thresholds
     block = batch_values(party, block)
     rows = _rows(refs)
     if isinstance(refs, list) and not refs:
         return np.zeros(0, dtype=np.int64)
+    table = _table_counts(bits, d_bits)
     if not rows:
         with party.meter("TC"):
-            x = B.rescale(wrap(_stacked(worker, refs), bits))
-            return exceed_counts_blocked(x, wrap(d, d_bits), block).share.numpy().copy()
+            x = _stacked(worker, refs)
+            if table is not None:
+                flat = x.reshape(-1, x.shape[-1])
+                return table(flat, np.broadcast_to(np.asarray(d).reshape(-1), (flat.shape[0],))).reshape(x.shape[:-1])
+            return exceed_counts_blocked(B.rescale(wrap(x, bits)), wrap(d, d_bits), block).share.numpy().copy()
     counts = []
     with party.meter("TC"):
         for lo, hi in row_chunks(rows, _array(worker, refs[0]).shape[-1], block):
-            x = B.rescale(wrap(_stacked(worker, refs[lo:hi]), bits))
             dk = d[lo:hi] if d.ndim and d.shape[0] == rows else d     # one threshold per row, or one for all
+            if table is not None:
+                counts.append(table(_stacked(worker, refs[lo:hi]), np.broadcast_to(dk, (hi - lo,))))
+                continue
+            x = B.rescale(wrap(_stacked(worker, refs[lo:hi]), bits))
             counts.append(exceed_counts_blocked(x, wrap(dk, d_bits), block).share.numpy().copy())
     return np.concatenate(counts)
+
+
+def _table_counts(bits: int, d_bits: int):
+    """Dealer mode, where the local truncation into 32 bits applies (``mpc.table_compare``:
+    values at ``bits`` fractional bits, thresholds at F): the per-row shared hit bits of a batch
+    (rows, m) against its thresholds (rows,). None elsewhere (the generic count then)."""
+    drop = bits - B.frac_bits()
+    if not table_compare.supported() or d_bits != B.frac_bits() or not 0 <= drop <= table_compare.MAX_DROP:
+        return None
+    return lambda x, d: table_compare.rows_exceed_shares(np.ascontiguousarray(x), drop,
+                                                         np.ascontiguousarray(d, dtype=np.int64))
 
 
 def inner_program(party, worker, refs: list, bits: int, other: Any, e: int | None) -> tuple[np.ndarray, int]:
