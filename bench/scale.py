@@ -15,13 +15,16 @@ predicts one Stage II for D up to 100M, N up to 1,000 and K workers:
   (``protocols.starfish.shard_steps.BLOCK`` values at most, ``TWO_PARTY_BLOCK`` in two-party
   mode); m0: the process with torch and
   CrypTen;
+* peak memory of the coordinator = n0 + n1 x T x D + n2 x K: round selection forms the rounds'
+  public model steps and their unit vectors as T x D float64 matrices there, and each worker
+  adds its handles and calls;
 * time = a x rows x D / p + r x T' + t0: each of the K pairs has rows x D / K coordinates to
   do and p of them run at once (p = min(K, cores per server); the calibration machine's cores
   are shared by both servers' workers, so there p = min(K, cores / 2); a prediction takes
   ``--cores`` per server, default one core per worker: p = K); r is the cost of a replayed round
   that does not grow with D (the coordinators' small solves and checks, the calls to the workers).
 
-b, c and m, m0, q are least-squares fits over the runs; a, r, t0 a non-negative least-squares fit
+b, c, m, m0, q and n0, n1, n2 are least-squares fits over the runs; a, r, t0 a non-negative least-squares fit
 (so runs of one D cannot trade a negative a for a larger r: give runs of several D). ``--check
 RUN.json`` fits without that run and compares its prediction with it (the closing note's check).
 
@@ -65,7 +68,8 @@ def load_run(path: str) -> dict[str, Any]:
             "cores": raw["machine"].get("cpu_count") or os.cpu_count() or 1,
             "pair_bytes": float(np.mean([w["online"] + w["offline"] for w in workers])),
             "coordinator_bytes": s0["coordinator"]["online"] + s0["coordinator"]["offline"],
-            "worker_peak_mib": float(max(w["peak_rss_mib"] for w in workers))}
+            "worker_peak_mib": float(max(w["peak_rss_mib"] for w in workers)),
+            "coordinator_peak_mib": float(max(srv["coordinator"]["peak_rss_mib"] for srv in res["servers"]))}
 
 
 def _parallel(K: int, cores_per_server: float) -> float:
@@ -84,6 +88,8 @@ def fit(runs: list[dict]) -> dict[str, float]:
     batch = block_for(runs[0]["offline"])
     mem = np.vstack([np.ones_like(held), held, np.minimum(held, batch)]).T
     m0, m, q = np.linalg.lstsq(mem, np.array([r["worker_peak_mib"] for r in runs]), rcond=None)[0]
+    coord = np.vstack([np.ones_like(held), [r["T"] * r["D"] for r in runs], [r["K"] for r in runs]]).T
+    n0, n1, n2 = np.linalg.lstsq(coord, np.array([r["coordinator_peak_mib"] for r in runs]), rcond=None)[0]
     # both servers' workers share the calibration machine's cores
     work = np.array([r["rows"] * r["D"] / _parallel(r["K"], r["cores"] / 2) for r in runs], float)
     replayed = np.array([math.ceil(r["sigma"] * r["T"]) for r in runs], float)
@@ -95,7 +101,8 @@ def fit(runs: list[dict]) -> dict[str, float]:
     a, r_, t0 = (float(x) for x in coef / norms)
     return {"bytes_per_shard_coordinate": b, "coordinator_bytes_per_row": c, "worker_base_mib": float(m0),
             "worker_mib_per_held_coordinate": float(m), "worker_mib_per_batch_value": float(q),
-            "batch_values": float(batch),
+            "batch_values": float(batch), "coordinator_base_mib": float(n0),
+            "coordinator_mib_per_round_coordinate": float(n1), "coordinator_mib_per_worker": float(n2),
             "seconds_per_shard_coordinate": a,
             "coordinator_seconds_per_round": r_, "fixed_seconds": t0}
 
@@ -113,7 +120,10 @@ def predict(model: dict[str, float], D: int, N: int, K: int, *, T: int = 40, sig
             "coordinator_gb": model["coordinator_bytes_per_row"] * rows / 1e9,
             "worker_peak_gib": (model["worker_base_mib"] + model["worker_mib_per_held_coordinate"] * N * D / K
                                 + model.get("worker_mib_per_batch_value", 0.0)
-                                * min(model.get("batch_values", BLOCK), N * D / K)) / 1024}
+                                * min(model.get("batch_values", BLOCK), N * D / K)) / 1024,
+            "coordinator_peak_gib": (model.get("coordinator_base_mib", 0.0)
+                                     + model.get("coordinator_mib_per_round_coordinate", 0.0) * T * D
+                                     + model.get("coordinator_mib_per_worker", 0.0) * K) / 1024}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -166,8 +176,9 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
             pr = predict(fit(rest), got["D"], got["N"], got["K"], T=got["T"], sigma=got["sigma"],
                          cores_per_server=got["cores"] / 2)
             check = {"run": got["file"], "measured": {"seconds": got["job_s"], "pair_gb": got["pair_bytes"] / 1e9,
-                                                     "worker_peak_gib": got["worker_peak_mib"] / 1024},
-                     "predicted": {k: pr[k] for k in ("seconds", "pair_gb", "worker_peak_gib")}}
+                                                     "worker_peak_gib": got["worker_peak_mib"] / 1024,
+                                                     "coordinator_peak_gib": got["coordinator_peak_mib"] / 1024},
+                     "predicted": {k: pr[k] for k in ("seconds", "pair_gb", "worker_peak_gib", "coordinator_peak_gib")}}
         model = fit(runs)
     except (ValueError, OSError, KeyError) as exc:
         return common_options.refuse("starfish bench scale", str(exc))
@@ -180,12 +191,13 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         m, p = check["measured"], check["predicted"]
         lines += [f"check (fitted without {check['run']}): seconds {p['seconds']:.0f} predicted / {m['seconds']:.0f} "
                   f"measured; pair GB {p['pair_gb']:.2f} / {m['pair_gb']:.2f}; peak GiB per worker "
-                  f"{p['worker_peak_gib']:.2f} / {m['worker_peak_gib']:.2f}", ""]
-    lines += ["| D | N | K | seconds | per shard s | cross shard s | GB per pair | GB coordinators | GiB per worker |",
-              "|---|---|---|---|---|---|---|---|---|"]
+                  f"{p['worker_peak_gib']:.2f} / {m['worker_peak_gib']:.2f}; peak GiB of the coordinator "
+                  f"{p['coordinator_peak_gib']:.2f} / {m['coordinator_peak_gib']:.2f}", ""]
+    lines += ["| D | N | K | seconds | per shard s | cross shard s | GB per pair | GB coordinators | GiB per worker "
+              "| GiB coordinator |", "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {g['D']:,} | {g['N']} | {g['K']} | {g['seconds']:.0f} | {g['per_shard_seconds']:.0f} | "
-              f"{g['cross_shard_seconds']:.0f} | {g['pair_gb']:.1f} | {g['coordinator_gb']:.2f} | {g['worker_peak_gib']:.2f} |"
-              for g in grid if g["N"] in (20, 100)]
+              f"{g['cross_shard_seconds']:.0f} | {g['pair_gb']:.1f} | {g['coordinator_gb']:.2f} | {g['worker_peak_gib']:.2f} "
+              f"| {g['coordinator_peak_gib']:.2f} |" for g in grid if g["N"] in (20, 100)]
     text = "\n".join(lines)
     if not args.quiet:
         print(text)

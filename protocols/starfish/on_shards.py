@@ -9,8 +9,9 @@ pair (``shard_steps``), the coordinator adds its shares of the parts (additive s
 without communication) and runs the small rest in its own session with the other coordinator:
 
 * UE: S^T S, S^T v, S^T Y, Y^T v per shard, added; the 2B x 2B solve here; H v per shard;
-* TC: per shard, shares of each row's count of coordinates over its threshold, added; the
-  per-row OR here (one comparison, the one opened bit per client of the unsharded check);
+* TC: per shard, shares of each row's count of coordinates over its threshold (dealer mode: of
+  its batches with one, from the table-driven sign tests), added; the per-row OR here (one
+  comparison, the one opened bit per client of the unsharded check);
 * the curvature test and RS's inner products: per shard sums, added; the decisions here;
 * an aggregate: a weighted sum per shard (local), each shard opened by its pair (the aggregate
   is public, as unsharded); a replayed BRACE round (``robust_replay``): each shard's vote, per
@@ -22,8 +23,7 @@ as long as the coordinator holds a reference to it: when the last one goes, its 
 dropped (zeroed) at every worker before the next program runs.
 
 Not on shards (yet): the reused Beaver masks of dealer mode (each pair multiplies Y z with its
-own triples) and the table-driven comparisons of SecTC (a pair counts with the generic
-comparison), so the traffic is that of the generic protocols; FedSECA's replay (its
+own triples); FedSECA's replay (its
 thresholds and CRISE need sums over all coordinates: a FedSECA history is replayed at the
 coordinators).
 """

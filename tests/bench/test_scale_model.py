@@ -18,7 +18,8 @@ from protocols.starfish.shard_steps import BLOCK
 
 TRUE = {"bytes_per_shard_coordinate": 30.0, "coordinator_bytes_per_row": 2_000.0, "worker_base_mib": 300.0,
         "worker_mib_per_held_coordinate": 1.5e-4, "worker_mib_per_batch_value": 2e-4, "seconds_per_shard_coordinate": 2e-8,
-        "coordinator_seconds_per_round": 0.4, "fixed_seconds": 3.0}
+        "coordinator_seconds_per_round": 0.4, "fixed_seconds": 3.0, "coordinator_base_mib": 700.0,
+        "coordinator_mib_per_round_coordinate": 1.6e-5, "coordinator_mib_per_worker": 90.0}
 SHAPES = [(256, 3, 10, 1), (10_000, 6, 10, 1), (10_000, 6, 10, 2), (582_026, 20, 40, 1), (582_026, 20, 40, 2),
           (100_000, 10, 20, 4)]
 
@@ -33,7 +34,9 @@ def _run(tmp_path, D, N, T, K, coef, offline="dealer", cores=2, name=None):
     worker = {"online": pair * 0.75, "offline": pair * 0.25, "rounds": 1,
               "peak_rss_mib": coef["worker_base_mib"] + coef["worker_mib_per_held_coordinate"] * N * D / K
               + coef["worker_mib_per_batch_value"] * min(BLOCK, N * D / K)}
-    coord = {"online": coef["coordinator_bytes_per_row"] * rows, "offline": 0, "rounds": 1, "peak_rss_mib": 1}
+    coord = {"online": coef["coordinator_bytes_per_row"] * rows, "offline": 0, "rounds": 1,
+             "peak_rss_mib": coef["coordinator_base_mib"] + coef["coordinator_mib_per_round_coordinate"] * T * D
+             + coef["coordinator_mib_per_worker"] * K}
     doc = {"benchmark": "unlearning --workers", "machine": {"cpu_count": cores},
            "config": {"num_params": D, "clients": N, "rounds": T, "sigma": sigma},
            "result": {"workers": K, "offline": offline,
@@ -59,6 +62,7 @@ def test_fit_recovers_the_coefficients_and_predicts_a_held_out_run(tmp_path_fact
     assert pr["seconds"] == pytest.approx(runs[held]["job_s"], rel=1e-6)
     assert pr["pair_gb"] * 1e9 == pytest.approx(runs[held]["pair_bytes"], rel=1e-6)
     assert pr["worker_peak_gib"] * 1024 == pytest.approx(runs[held]["worker_peak_mib"], rel=1e-6)
+    assert pr["coordinator_peak_gib"] * 1024 == pytest.approx(runs[held]["coordinator_peak_mib"], rel=1e-6)
 
 
 def test_cli_writes_json_and_png_and_refuses_mixed_modes(tmp_path, capsys):

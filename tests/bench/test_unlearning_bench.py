@@ -106,13 +106,14 @@ def test_scaling_measures_each_link_profile(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("aggregator", ["fedavg", "brace-sign"])
-def test_unlearning_benchmark_on_two_workers_per_server_equals_the_twin(tmp_path, aggregator):
+def test_unlearning_benchmark_on_two_workers_per_server_equals_the_twin(tmp_path):
     """``bench unlearning --workers 2`` (each server a coordinator and 2 Ray workers in its own
-    cluster): both servers' models equal, and the run's public decisions equal the plaintext
-    Stage II here; each worker reports its memory and traffic. A BRACE-made history is replayed
-    with BRACE's vote, each shard's by its pair (the twin replays it with the same rule). (A
-    worker killed mid-job, and the daemon's next run: ``tests/servers/test_service_workers.py``.)"""
+    cluster) on a BRACE-made history, replayed with BRACE's vote, each shard's by its pair (the
+    twin replays it with the same rule): both servers' models equal, and the run's public
+    decisions and model equal the plaintext Stage II here; each worker reports its memory and
+    traffic. (A FedAvg history's job on the daemon's workers, one killed mid-job, and the
+    daemon's next run: ``tests/servers/test_service_workers.py``.)"""
+    aggregator = "brace-sign"
     pytest.importorskip("ray")
     from protocols.starfish import StarfishParams, run_stage2
     from protocols.starfish.robust_replay import RuleCombine
