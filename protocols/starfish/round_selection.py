@@ -67,7 +67,7 @@ from protocols.backend import is_shared, stack, to_compute, weighted_sum
 from .params import Method, StarfishParams
 from .ports import History, candidate_rounds, present_clients, remaining_clients
 
-__all__ = ["num_selected", "selection_keys", "normalize_keys", "select_rounds", "combine_targets",
+__all__ = ["num_selected", "selection_keys", "unit_rows", "normalize_keys", "select_rounds", "combine_targets",
            "starfish_select",
            "choose_method", "default_t_delta", "t_delta_from", "predicted_seconds",
            "T_DELTA_TABLE", "LINK_PROFILES", "DEFAULT_T_DELTA"]
@@ -154,20 +154,24 @@ def combine_targets(updates: Sequence[Any], weights: Sequence[float]) -> Any:
 
 
 def selection_keys(target_updates: Any, model_deltas: torch.Tensor,
-                   target_norms: Any | None = None) -> tuple[Any, Any]:
+                   target_norms: Any | None = None, *, unit_steps: bool = False) -> tuple[Any, Any]:
     """Keys (u, v) with u/v ordered like the cosine similarity, one pair per round.
 
     ``target_updates``: (T, m) shared or plain; ``model_deltas``: (T, m) public
     M_i - M_{i-1}; ``target_norms``: (T,) the reported ||g_i^t||, or None for a combined
     multi-target update (then the squared keys described in the module docstring). The
     public step enters as a unit vector (a round whose step is exactly zero keeps its zero
-    vector: u is 0 there). Not yet normalised: see :func:`normalize_keys`.
+    vector: u is 0 there). Not yet normalised: see :func:`normalize_keys`. ``unit_steps``: the
+    rows of ``model_deltas`` are those unit vectors already (:func:`unit_rows`).
     """
     dm = model_deltas
     if not is_shared(target_updates):
         dm = dm.to(torch.as_tensor(target_updates).dtype)
-    dnorm = dm.norm(dim=-1, keepdim=True)
-    unit = dm / torch.where(dnorm > 0, dnorm, torch.ones_like(dnorm))
+    if unit_steps:
+        unit = dm
+    else:
+        dnorm = dm.norm(dim=-1, keepdim=True)
+        unit = dm / torch.where(dnorm > 0, dnorm, torch.ones_like(dnorm))
     u = inner(target_updates, unit, dim=-1)
     if target_norms is not None:
         return u, target_norms
@@ -281,17 +285,12 @@ def _target_keys(history: History, targets: Sequence[int], rounds: Sequence[int]
     # aggregated update is M_{i-1} - M_i (up to eta > 0). The paper writes M_i - M_{i-1} while
     # calling it "the aggregated gradients"; with that sign a target aligned with the round would
     # score -1 and the rounds where it mattered *least* would be selected.
-    dm = None                 # (T, m) float64, filled row by row: no float32 stack beside it
-    for k, i in enumerate(rounds):
-        step = history.model_delta(i)
-        if dm is None:
-            dm = torch.empty((len(rounds), step.numel()), dtype=torch.float64)
-        dm[k] = -step
+    dm = unit_rows(history, rounds)
     if len(targets) == 1:
         t = targets[0]
         g = stack([to_compute(history.update(i, t)) for i in rounds])
         norms = stack([to_compute(history.norm(i, t)) for i in rounds])
-        u, v = selection_keys(g, dm, norms)
+        u, v = selection_keys(g, dm, norms, unit_steps=True)
     else:
         per_round = []
         for i in rounds:
@@ -301,5 +300,20 @@ def _target_keys(history: History, targets: Sequence[int], rounds: Sequence[int]
             total = sum(wt)
             per_round.append(combine_targets([to_compute(history.update(i, t)) for t in here],
                                              [x / total for x in wt]))
-        u, v = selection_keys(stack(per_round), dm, None)
+        u, v = selection_keys(stack(per_round), dm, None, unit_steps=True)
     return normalize_keys(u, v)
+
+
+def unit_rows(history: History, rounds: Sequence[int]) -> torch.Tensor:
+    """The global steps M_{i-1} - M_i of ``rounds`` (at least one) as the rows of one (T, m)
+    float64 matrix, each divided by its norm (a zero step stays zero), filled row by row: the
+    coordinator holds this one T x m matrix, not the steps and their unit vectors beside them
+    (a 5,000,000-parameter model: 40 MB a round each)."""
+    out = None
+    for k, i in enumerate(rounds):
+        step = -history.model_delta(i).reshape(-1).to(torch.float64)
+        if out is None:
+            out = torch.empty((len(rounds), step.numel()), dtype=torch.float64)
+        norm = step.norm()
+        out[k] = step / norm if norm > 0 else step
+    return out

@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from protocols.starfish import (check_thresholds, combine_targets, determine_thresholds,
                                 estimate_updates, num_selected, select_rounds, selection_keys)
+from protocols.starfish.round_selection import unit_rows
 
 torch.set_num_threads(1)
 
@@ -115,3 +118,37 @@ def test_sub_protocols_two_party_match_plaintext():
     assert np.allclose(out["est"], plain, atol=5e-3, rtol=1e-2)
     assert out["flags"].tolist() == check_thresholds(torch.from_numpy(plain),
                                                      t["thr_in"]).tolist()
+
+
+class _Models:
+    """The public part of a history round selection reads: its global models."""
+
+    def __init__(self, models: np.ndarray) -> None:
+        self.models = torch.from_numpy(models)
+
+    def model_delta(self, i: int) -> torch.Tensor:
+        return self.models[i] - self.models[i - 1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), T=st.integers(1, 6), m=st.integers(1, 40))
+def test_unit_rows_are_the_normalised_global_steps_and_give_the_same_keys(data, T, m):
+    """``unit_rows``: row k is (M_{i-1} - M_i) / ||M_{i-1} - M_i|| of the k-th round asked for, a
+    zero step stays zero (numpy oracle); the keys from them equal those from the raw steps."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    models = np.cumsum(rng.normal(size=(T + 1, m)) * 10.0 ** rng.integers(-6, 3, size=(T + 1, 1)), axis=0)
+    repeat = data.draw(st.sets(st.integers(1, T)))      # rounds whose model did not move
+    for i in sorted(repeat):
+        models[i] = models[i - 1]
+    rounds = data.draw(st.lists(st.integers(1, T), min_size=1, max_size=T, unique=True))
+    got = unit_rows(_Models(models), rounds).numpy()
+    steps = np.stack([models[i - 1] - models[i] for i in rounds])
+    norms = np.linalg.norm(steps, axis=1, keepdims=True)
+    want = np.divide(steps, norms, out=np.zeros_like(steps), where=norms > 0)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
+    assert np.all(got[norms[:, 0] == 0] == 0)
+    g = torch.from_numpy(rng.normal(size=(len(rounds), m)))
+    u, v = selection_keys(g, torch.from_numpy(steps), g.norm(dim=-1))
+    u1, v1 = selection_keys(g, torch.from_numpy(got), g.norm(dim=-1), unit_steps=True)
+    torch.testing.assert_close(u1, u, rtol=1e-12, atol=1e-15)
+    assert torch.equal(v1, v)
