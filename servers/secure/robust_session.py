@@ -112,12 +112,20 @@ def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, ro
 
 
 def with_pairs(meters: dict, pairs: Sequence[dict]) -> dict:
-    """A session's meters with its worker pairs' traffic added to its totals (a round's cost)."""
+    """A session's meters with its worker pairs' added to its totals (a round's cost): bytes add
+    over the pairs; rounds and seconds add the slowest pair's, since the pairs run side by side."""
     total = dict(meters["total"])
+    slowest: dict = {}
     for m in pairs:
         for k, v in m.get("total", {}).items():
-            if isinstance(v, (int, float)):
+            if not isinstance(v, (int, float)):
+                continue
+            if "bytes" in k:
                 total[k] = total.get(k, 0) + v
+            else:
+                slowest[k] = max(slowest.get(k, 0), v)
+    for k, v in slowest.items():
+        total[k] = total.get(k, 0) + v
     return dict(meters, total=total, pairs=list(pairs))
 
 

@@ -229,3 +229,17 @@ def test_a_job_runs_on_the_workers_for_fedavg_and_brace_histories(made_by, worke
     meta = {t: ({} if name == "fedavg" and t == 1 else {"aggregator": name}) for t, name in enumerate(made_by, 1)}
     store = SimpleNamespace(metadata=lambda t: meta[t])
     assert on_shards(SimpleNamespace(workers=workers), store, len(made_by)) is sharded
+
+
+def test_a_rounds_cost_adds_the_pairs_bytes_and_the_slowest_pairs_rounds():
+    """``with_pairs``: the round's log line counts every pair's bytes, and rounds as the pairs run:
+    side by side (the coordinators' own, plus the slowest pair's)."""
+    from servers.secure.robust_session import with_pairs
+
+    own = {"total": {"online_bytes_sent": 10, "online_rounds": 3, "offline_bytes_received": 0}, "steps": {}}
+    pairs = [{"total": {"online_bytes_sent": 100, "online_rounds": 40, "offline_bytes_received": 7}},
+             {"total": {"online_bytes_sent": 120, "online_rounds": 45, "offline_bytes_received": 9}}]
+    got = with_pairs(own, pairs)
+    assert got["total"] == {"online_bytes_sent": 230, "online_rounds": 48, "offline_bytes_received": 16}
+    assert len(got["pairs"]) == 2 and own["total"]["online_bytes_sent"] == 10   # the session's own untouched
+    assert with_pairs(own, [])["total"] == own["total"]
