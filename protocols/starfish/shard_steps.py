@@ -127,10 +127,6 @@ def row_chunks(rows: int, per_row: int, block: int) -> list[tuple[int, int]]:
     return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
 
 
-def _rows(refs: Any) -> int:
-    return len(refs) if isinstance(refs, list) else 0
-
-
 def _concat(parts: list[tuple[np.ndarray, int]]) -> tuple[np.ndarray, int]:
     return np.concatenate([p[0] for p in parts]), parts[0][1]
 
@@ -172,8 +168,8 @@ def hvp_apply_program(party, worker, out: str, y_refs: list, y_bits: int, stored
 def counts_program(party, worker, refs: list, bits: int, thresholds: tuple[np.ndarray, int],
                    block: int = BLOCK) -> np.ndarray:
     """SecTC on this shard: per row, a share of a count the coordinator adds over the shards and
-    compares with 1 (``flags_from_counts``), ``block`` values at a time. ``refs``: a list of
-    client rows (no rows: no counts), or one reference to a whole array.
+    compares with 1 (``flags_from_counts``), ``block`` values at a time. ``refs``: the client
+    rows (none: no counts).
 
     Dealer mode (``_table_counts``): per row and batch, the bit "some coordinate reaches the
     threshold" from the table-driven sign tests of the unsharded dealer-mode check (about 24 bytes
@@ -181,17 +177,10 @@ def counts_program(party, worker, refs: list, bits: int, thresholds: tuple[np.nd
     of coordinates at or above the threshold (generic comparison, about 91 bytes a coordinate)."""
     d, d_bits = thresholds
     block = batch_values(party, block)
-    rows = _rows(refs)
-    if isinstance(refs, list) and not refs:
+    rows = len(refs)
+    if not rows:
         return np.zeros(0, dtype=np.int64)
     table = _table_counts(bits, d_bits)
-    if not rows:
-        with party.meter("TC"):
-            x = _stacked(worker, refs)
-            if table is not None:
-                flat = x.reshape(-1, x.shape[-1])
-                return table(flat, np.broadcast_to(np.asarray(d).reshape(-1), (flat.shape[0],))).reshape(x.shape[:-1])
-            return exceed_counts_blocked(B.rescale(wrap(x, bits)), wrap(d, d_bits), block).share.numpy().copy()
     counts = []
     with party.meter("TC"):
         for lo, hi in row_chunks(rows, _array(worker, refs[0]).shape[-1], block):
