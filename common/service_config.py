@@ -70,6 +70,9 @@ class ServerSection:
     # ephemeral port (server 1's; server 0's connect): "" the server's host; "0.0.0.0" every
     # interface, each worker advertising its machine's address (workers on other machines)
     worker_host: str = ""
+    # where worker k keeps its slices of the stored update shares, ``<shard_dir>/w<k>`` on its own
+    # machine ([deployment] workers > 1): "" is ``<data_dir>/shards``
+    shard_dir: str = ""
 
     def api(self) -> Endpoint:
         return Endpoint(self.host, self.api_port)

@@ -43,6 +43,10 @@ class ShardExecutor(Protocol):
     def drop(self, names: list[str]) -> None:
         """Forget (zero) the named shares at every worker."""
 
+    def load(self, name: str, ref: str) -> None:
+        """A stored value's shards, read by each worker where they lie (``History.stored_update``'s
+        reference), kept as ``name``; only asked of an executor whose history gives references."""
+
 
 def is_sharded(x: Any) -> bool:
     return isinstance(x, ShardedValue)

@@ -130,6 +130,7 @@ def _worker_line(w: dict) -> str:
     if w.get("state") == "up":
         return (f"{w['name']}: up {w['up_s']:.0f}s, pid {w['pid']}, {w['shares']} shares "
                 f"({w['bytes'] / 2**20:.1f} MiB), peak RSS {w['peak_rss_mib']:.0f} MiB"
+                + (f", {w['slices']} stored slices" if "slices" in w else "")
                 + (", in a session" if w.get("session") else ""))
     why = w.get("error") or w.get("last_failure")
     return f"{w['name']}: {w.get('state', 'unknown')}" + (f" ({why})" if why else "")

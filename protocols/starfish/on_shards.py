@@ -108,6 +108,14 @@ class ShardSpace:
         self.ex.scatter(name, share)
         return ShardVector(self, (name, None), bits)
 
+    def load(self, ref: str, bits: int) -> ShardVector:
+        """A stored m-long sharing that already lies on the shards (``History.stored_update``),
+        read by the workers: it never passes through the coordinator."""
+        name = self.name("v")
+        self.flush()
+        self.ex.load(name, ref)
+        return ShardVector(self, (name, None), bits)
+
     def public(self, t: torch.Tensor) -> str:
         """The workers' name of a public m-vector (s, the model difference), sent once while the
         coordinator keeps the tensor (its float64 bits travel as int64: what a worker holds)."""
@@ -297,7 +305,8 @@ class ShardMatrix(_Held):
 # ------------------------------------------------------------------ the ports on shards
 class ShardHistory(HistoryView):
     """``base`` (this server's shares) with every update read onto the shards: put there at its
-    first read and kept while Stage II references it (a round's rows while it is replayed)."""
+    first read (or, where the store keeps it on the shards, read there by the workers) and kept
+    while Stage II references it (a round's rows while it is replayed)."""
 
     def __init__(self, base: History, space: ShardSpace) -> None:
         super().__init__(base)
@@ -307,7 +316,8 @@ class ShardHistory(HistoryView):
     def update(self, i: int, client: int) -> Secret:
         held = self._read.get((i, client))
         if held is None:
-            held = self.space.put(self._base.update(i, client))
+            stored = self._base.stored_update(i, client)
+            held = self.space.load(*stored) if stored is not None else self.space.put(self._base.update(i, client))
             self._read[(i, client)] = held
         return held
 

@@ -96,6 +96,12 @@ class History(ABC):
     def append_round(self, record: RoundRecord) -> None:
         """Store round T+1 (its model is M_{T+1})."""
 
+    def stored_update(self, i: int, client: int) -> tuple[str, int] | None:
+        """Where g_i^j's share already lies on coordinate shards (issue 30): a reference the shard
+        executor resolves at its workers, and the share's fractional bits; None (every history but a
+        store on shards): read it with :meth:`update`."""
+        return None
+
     # ---- conveniences built on the abstract accessors -------------------------------
     def clients(self) -> tuple[int, ...]:
         """Every client that took part in any round."""
@@ -219,6 +225,9 @@ class HistoryView(History):
     def delta(self, i: int, client: int) -> Secret:
         return self._base.delta(i, client)
 
+    def stored_update(self, i: int, client: int) -> tuple[str, int] | None:
+        return self._base.stored_update(i, client)
+
     def append_round(self, record: RoundRecord) -> None:
         raise TypeError(f"this history view ({type(self).__name__}) is read-only; append to the underlying history")
 
@@ -251,6 +260,10 @@ class _WithoutClients(HistoryView):
     def delta(self, i: int, client: int) -> Secret:
         self._visible(client)
         return self._base.delta(i, client)
+
+    def stored_update(self, i: int, client: int) -> tuple[str, int] | None:
+        self._visible(client)
+        return self._base.stored_update(i, client)
 
 
 def without_clients(history: History, clients: Iterable[int]) -> History:

@@ -116,9 +116,18 @@ class ServerDaemon:
         self.data_dir = cfg.data_dir(party)
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         api_ctx = tls.server_context(tls.identity(cfg.keys_dir, self.name))
-        self.store = ShareStore(self.data_dir / "store", party=party,
-                                initial_model=initial_model,
-                                server_lr=cfg.fl.server_lr, precision=cfg.fl.precision)
+        # with workers, the store's update shares live in the workers' shard directories: the
+        # workers come first (the store's open sweeps what a crash left there)
+        self.workers = self._workers(int(np.asarray(initial_model).size))
+        try:
+            self.store = ShareStore(self.data_dir / "store", party=party,
+                                    initial_model=initial_model,
+                                    server_lr=cfg.fl.server_lr, precision=cfg.fl.precision,
+                                    shards=self.workers.files() if self.workers is not None else None)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown()
+            raise
         self.state = ServiceState(self.data_dir / "service.sqlite3")
         self.board = TaskBoard()
         self.stop_event = threading.Event()
@@ -137,7 +146,6 @@ class ServerDaemon:
         else:
             self.peer = _WatchedPeer(cfg.keys_dir, cfg.server1.peer().address,
                                      timeout=cfg.limits.peer_timeout, max_bytes=cfg.limits.max_frame_bytes)
-        self.workers = self._workers()
         self.rounds: RoundCoordinator = (
             RoundLeader(cfg, self.store, self.state, peer=self.peer, stop=self.stop_event, workers=self.workers)
             if self.peer is not None else
@@ -155,7 +163,7 @@ class ServerDaemon:
                  self.name, self.store.num_rounds, len(self.store.staged(self.store.num_rounds + 1)),
                  self.store.num_rounds + 1)
 
-    def _workers(self) -> ServerWorkers | None:
+    def _workers(self, dim: int) -> ServerWorkers | None:
         """``[deployment] workers`` > 1: this server's workers (started by ``serve_forever``)."""
         if self.cfg.workers == 1:
             return None
@@ -169,7 +177,7 @@ class ServerDaemon:
             import ray  # noqa: F401, PLC0415 - only to fail at start, not at the first round
         except ImportError:
             raise StartupError(f"{self.name}: {ray_missing_message()}") from None
-        workers = ServerWorkers(self.cfg, self.party, self.store.dim)
+        workers = ServerWorkers(self.cfg, self.party, dim)
         try:
             workers.connect()     # here, in the main thread (``connect_cluster`` says why)
         except Exception as exc:  # noqa: BLE001 - one line: what, where, what to do

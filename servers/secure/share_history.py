@@ -91,6 +91,12 @@ class ShareHistory(History):
         self._check_round(i)
         return self._out(self.store.update_share(i, client))
 
+    def stored_update(self, i: int, client: int) -> tuple[str, int] | None:
+        if self.store.shards is None:
+            return None
+        self._check_round(i)
+        return self.store.update_ref(i, client), self.store.precision
+
     def norm(self, i: int, client: int) -> Secret:
         self._check_round(i)
         return self._out(self.store.norm_share(i, client))

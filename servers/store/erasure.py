@@ -365,6 +365,8 @@ class ErasureLog(StoreCatalog):
         self._checkpoint_hook("adopt-committed")
         removed = self.blobs.sweep(self._referenced())
         _blobs.fsync_dir(self.blobs.dir)
+        if self.shards is not None:      # the erased updates' slices, every shard's
+            self.shards.sweep(self._update_digests())
         extra = sorted(p.name for p in removed if p.name.removesuffix(".blob") not in unused)
         if extra:
             log.warning("history store %s: also removed leftovers %s", self.root, extra)

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from servers.store import store_validation as check
+from servers.store.shard_files import ShardFiles
 from servers.store.blobs import BlobCorruptError, BlobError, BlobMissingError, EncodedBlob, encode_blob
 from servers.store.erasure import ErasureLog, ErasureReport
 from servers.store.job_records import FINISHED, JobRecord, JobRecords, JobState
@@ -109,7 +110,9 @@ class ShareStore(ErasureLog, StagingArea, JobRecords):
     party=0)`` opens an existing store. One process at a time: a second open raises
     :class:`StoreLockedError`. Methods are thread-safe (serialised by a lock).
     ``precision`` (fractional bits of the clients' fixed-point encoding, default 16) is
-    fixed at creation; on open, None means "as stored".
+    fixed at creation; on open, None means "as stored". ``shards`` (``[deployment] workers`` >
+    1): the update shares' slices live in the shards' directories (``servers.store.shard_files``),
+    the catalog, models and scalar shares here; the number of shards is fixed at creation.
 
     Opening recovers from a crash: SQLite rolls back an uncommitted transaction, then blobs
     no catalog row refers to and temp files are removed; the removed paths are logged and
@@ -118,12 +121,12 @@ class ShareStore(ErasureLog, StagingArea, JobRecords):
 
     def __init__(self, root: str | os.PathLike[str], *, party: int,
                  initial_model: Any = None, server_lr: float | None = None,
-                 precision: int | None = None) -> None:
+                 precision: int | None = None, shards: ShardFiles | None = None) -> None:
         self._round_cache: dict[int, tuple[RoundInfo, dict[int, tuple[str, str, str]]]] = {}
         self._model_cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._model_cache_size = 8
         super().__init__(root, party=party, initial_model=initial_model, server_lr=server_lr,
-                         precision=precision)
+                         precision=precision, shards=shards)
 
     def _checkpoint_hook(self, name: str) -> None:
         _checkpoint(name)
@@ -228,6 +231,12 @@ class ShareStore(ErasureLog, StagingArea, JobRecords):
         return self._materialize(self._refs(i, client)[0], (self._dim,), f"round {i} client {client} update")
 
     @locked
+    def update_ref(self, i: int, client: int) -> str:
+        """The catalog's reference to this party's share of g_i^j (``blob:<digest>`` or
+        ``seed:<hex>``): what a worker reads its slice by (``servers.store.shard_files``)."""
+        return self._refs(i, client)[0]
+
+    @locked
     def norm_share(self, i: int, client: int) -> np.ndarray:
         """This party's share of ||g_i^j||: int64, shape ()."""
         return self._materialize(self._refs(i, client)[1], (), f"round {i} client {client} norm")
@@ -281,7 +290,8 @@ class ShareStore(ErasureLog, StagingArea, JobRecords):
                      weights: Mapping[int, float], refs: Mapping[int, tuple[str, str, str]],
                      meta_json: str, share_blobs: Sequence[EncodedBlob]) -> None:
         """The commit protocol: blobs durable first, then one catalog transaction."""
-        self.blobs.put_many([model_blob, *share_blobs])
+        self.blobs.put_many([model_blob])
+        self._put_updates(share_blobs)
         _checkpoint("round-blobs-durable")
         content_hash = round_hash(i, model_blob.digest, parts, weights, refs, meta_json)
         with self._txn() as c:

@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from servers.store import store_validation as check
 from servers.store.store_catalog import StoreCatalog, locked
 from servers.store.store_errors import (
@@ -102,7 +104,7 @@ class StagingArea(StoreCatalog):
                                            f"round {i}; an upload cannot be replaced (send the "
                                            f"same one again, or the operator withdraws it with "
                                            f"`starfish admin drop-staged {j}`, then upload anew)")
-        self.blobs.put_many(up.blobs)
+        self._put_updates(up.blobs)
         self._checkpoint_hook("staged-blob-durable")
         with self._txn() as c:
             u, n, d = up.refs[:3]
@@ -131,26 +133,41 @@ class StagingArea(StoreCatalog):
                     "SELECT client, staged_at, upload_hash FROM staged WHERE round = ? "
                     "ORDER BY client", (check.round_no(round),))]
 
+    def _staged_refs(self, i: int, j: int) -> tuple[str, ...]:
+        refs = self._staged_rows(i).get(j)
+        if refs is None:
+            raise KeyError(f"client {j} has no staged upload for round {i}")
+        return refs
+
     @locked
     def staged_upload(self, round: int, client: int) -> ClientShares:
         """The staged shares of one client (int64 arrays, seeds expanded)."""
         i, j = check.round_no(round), check.client_id(client)
-        refs = self._staged_rows(i).get(j)
-        if refs is None:
-            raise KeyError(f"client {j} has no staged upload for round {i}")
+        refs = self._staged_refs(i, j)
         where = f"staged round {i} client {j}"
         return ClientShares(self._materialize(refs[0], (self._dim,), where + " update"),
                             self._materialize(refs[1], (), where + " norm"),
                             self._materialize(refs[2], (), where + " delta"))
 
     @locked
+    def staged_update_ref(self, round: int, client: int) -> str:
+        """The catalog's reference to one client's staged update share (``update_ref``'s twin)."""
+        return self._staged_refs(check.round_no(round), check.client_id(client))[0]
+
+    @locked
+    def staged_scalars(self, round: int, client: int) -> tuple[np.ndarray, np.ndarray]:
+        """One client's staged norm and delta shares (int64, shape ()), without its update."""
+        i, j = check.round_no(round), check.client_id(client)
+        refs = self._staged_refs(i, j)
+        where = f"staged round {i} client {j}"
+        return self._materialize(refs[1], (), where + " norm"), self._materialize(refs[2], (), where + " delta")
+
+    @locked
     def staged_threshold(self, round: int, client: int) -> Any:
         """The staged FedSECA threshold share of one client (int64, shape ()), or None if its
         upload has none."""
         i, j = check.round_no(round), check.client_id(client)
-        refs = self._staged_rows(i).get(j)
-        if refs is None:
-            raise KeyError(f"client {j} has no staged upload for round {i}")
+        refs = self._staged_refs(i, j)
         if len(refs) < 4:
             return None
         return self._materialize(refs[3], (), f"staged round {i} client {j} threshold")

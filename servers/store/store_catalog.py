@@ -28,7 +28,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import wraps
 from pathlib import Path
@@ -41,7 +41,8 @@ from common.prg import expand
 
 from servers.store import blobs as _blobs
 from servers.store import store_validation as check
-from servers.store.blobs import BlobStore, encode_blob
+from servers.store.blobs import BlobStore, EncodedBlob, encode_blob
+from servers.store.shard_files import ShardFiles, join_checked
 from servers.store.store_errors import CatalogCorruptError, StoreClosedError, StoreError, StoreLockedError
 from servers.store.store_schema import create_or_migrate
 
@@ -85,13 +86,14 @@ class StoreCatalog:
 
     def __init__(self, root: str | os.PathLike[str], *, party: int,
                  initial_model: Any = None, server_lr: float | None = None,
-                 precision: int | None = None) -> None:
+                 precision: int | None = None, shards: ShardFiles | None = None) -> None:
         if party not in (0, 1):
             raise ValueError(f"party must be 0 or 1, got {party!r}")
         self.root = Path(root)
         self._mutex = threading.RLock()
         self._conn: sqlite3.Connection | None = None
         self._lock_fd: int | None = None
+        self.shards = shards
         new_root = not self.root.exists()
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         if new_root:
@@ -192,7 +194,7 @@ class StoreCatalog:
                     ("format", str(FORMAT_VERSION)), ("party", str(party)),
                     ("dim", str(m0.size)), ("precision", str(int(precision))),
                     ("server_lr", lr.hex()), ("model0", blob.digest),
-                    ("created_at", repr(time.time())),
+                    ("created_at", repr(time.time())), ("shards", str(self._shard_count())),
                 ])
             meta = self._meta()
         try:
@@ -211,19 +213,50 @@ class StoreCatalog:
         if initial_model is not None and \
                 encode_blob(check.model(initial_model, None)).digest != self._model0:
             raise StoreError(f"{self.root} was created with a different initial model")
+        stored = int(meta.get("shards", "1"))     # a store from before issue 30: one process
+        if stored != self._shard_count():
+            raise StoreError(f"{self.root} keeps its update shares on {stored} shard(s) and this server "
+                             f"runs {self._shard_count()}: set [deployment] workers = {stored} (a store "
+                             "cannot change its number of shards)")
         if server_lr is not None and float(server_lr) != self._lr:
             raise StoreError(f"{self.root} was created with server_lr {self._lr}, not {server_lr}")
         if precision is not None and int(precision) != self._precision:
             raise StoreError(f"{self.root} uses {self._precision} fractional bits, not {precision}")
 
-    def _referenced(self) -> set[str]:
+    def _shard_count(self) -> int:
+        return 1 if self.shards is None else len(self.shards.bounds)
+
+    def _update_digests(self) -> set[str]:
+        """The blobs of committed and staged update shares (on the shards where there are some)."""
         assert self._conn is not None
-        refs = {self._model0}
-        refs.update(r for (r,) in self._conn.execute("SELECT model_blob FROM rounds"))
+        refs: set[str] = set()
         for table in ("round_shares", "staged"):
             refs.update(r[5:] for (r,) in self._conn.execute(
                 f"SELECT update_ref FROM {table} WHERE update_ref LIKE 'blob:%'"))
         return refs
+
+    def _referenced(self) -> set[str]:
+        assert self._conn is not None
+        refs = {self._model0}
+        refs.update(r for (r,) in self._conn.execute("SELECT model_blob FROM rounds"))
+        return refs | self._update_digests()
+
+    def _put_updates(self, blobs: Sequence[EncodedBlob]) -> None:
+        """Update shares made durable: here, or each shard's slice in its directory."""
+        if self.shards is None:
+            self.blobs.put_many(blobs)
+        elif blobs:
+            self.shards.put([(b.digest, np.frombuffer(b.payload, dtype="<i8")) for b in blobs])
+
+    def _sweep_shards(self) -> int:
+        """The shards' slices no catalog row names, removed (a crash's or an erasure's)."""
+        if self.shards is None:
+            return 0
+        removed = self.shards.sweep(self._update_digests())
+        if removed:
+            log.warning("history store %s: removed %d slice file(s) no round refers to from its shards",
+                        self.root, removed)
+        return removed
 
     def _recover(self) -> list[Path]:
         """Check the catalog's shape and remove what a crash left behind."""
@@ -241,6 +274,7 @@ class StoreCatalog:
             log.warning("history store %s: removed crash leftover %s", self.root, p)
         if removed:
             _blobs.fsync_dir(self.blobs.dir)  # the removals are durable (an erasure's blobs)
+        self._sweep_shards()
         return removed
 
     def _release(self) -> None:
@@ -311,6 +345,8 @@ class StoreCatalog:
         """The int64 array a catalog share reference stands for (a seed is expanded)."""
         kind, _, value = ref.partition(":")
         try:
+            if kind == "blob" and self.shards is not None and shape == (self._dim,):
+                return join_checked(value, self.shards.read(value), self._dim, where)
             if kind == "blob":
                 arr = self.blobs.read(value)
                 if arr.dtype != np.dtype(np.int64) or arr.shape != shape:
@@ -329,4 +365,7 @@ class StoreCatalog:
         """Delete the blobs among ``refs`` that no catalog row refers to any more."""
         digests = {r[5:] for r in refs if r.startswith("blob:")}
         if digests:
-            self.blobs.remove(digests - self._referenced())
+            gone = digests - self._referenced()
+            self.blobs.remove(gone)
+            if self.shards is not None:
+                self.shards.remove(gone)

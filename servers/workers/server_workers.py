@@ -3,12 +3,13 @@
 Why a keeper of its own: the daemon's rounds (and later its jobs) need the same K workers again
 and again (a Ray actor and its pair's link take seconds to start), but a worker that died, or
 whose pair's session broke, must not poison the next attempt. So every failure of a sharded
-step ends this server's workers (``WorkerGroup.stop_workers``; the store still holds every share,
-so nothing committed is lost) and the next attempt starts new ones on new ports; server 1 tells
+step ends this server's workers (``WorkerGroup.stop_workers``; the catalog and the shard
+directories keep every stored share, so nothing committed is lost) and the next attempt starts new ones on new ports; server 1 tells
 server 0 where its workers listen at every check (``WorkerAddresses``).
 
 A sharded range check is two halves, because the servers meet in between: :meth:`prepare`
-(this server's shares of the staged uploads to the workers, shard k to worker k; fails fast on
+(this server's shares of the staged uploads at the workers, shard k at worker k, read from the
+shard directories where the store keeps them there; fails fast on
 a dead worker before the peer is asked anything) and :meth:`check` (the pairs' sessions and the
 coordinators' verdict, ``sharded_round.check_on_shards``).
 """
@@ -33,6 +34,7 @@ from net import tls
 from servers.store.crash_points import checkpoint, planned
 from servers.store.share_store import ShareStore
 
+from .shard_store_files import WorkerShardFiles, shard_dirs
 from .sharded_round import check_on_shards, vote_on_shards
 from .worker_group import WorkerGroup, connect_cluster
 
@@ -107,6 +109,10 @@ class ServerWorkers:
             opts["dealer_address"] = self.cfg.dealer.endpoint().address
         return opts
 
+    def files(self) -> WorkerShardFiles:
+        """The store's shard directories at these workers (``ShareStore(..., shards=)``)."""
+        return WorkerShardFiles(self.on_workers, self.dim, self.cfg.workers)
+
     def connect(self) -> None:
         """Join (or start) this server's Ray cluster: from the daemon's main thread
         (``worker_group.connect_cluster`` says why)."""
@@ -125,7 +131,7 @@ class ServerWorkers:
                 self.connect()
                 self._group = WorkerGroup(self.rank, self.cfg.keys_dir, self.cfg.workers, self.dim,
                                           ray_address=self.cfg.ray_address or None, ray_dir=self._ray_dir,
-                                          **self._options())
+                                          shard_dirs=shard_dirs(self.cfg, self.rank), **self._options())
                 self.starts += 1
                 wait = "".join(f" {h}:{p}" for h, p in self._peer_side())
                 log.info("%s: %d workers up in %.1fs%s", tls.PARTY_NAMES[self.rank], self.cfg.workers,
@@ -167,13 +173,23 @@ class ServerWorkers:
         if self._ray_dir is not None:
             shutil.rmtree(self._ray_dir, ignore_errors=True)
 
-    def _guarded(self, step: Callable[[WorkerGroup], Any]) -> Any:
+    def on_workers(self, step: Callable[[WorkerGroup], Any]) -> Any:
+        """``step`` on the live group (started if there is none); a failure ends the workers."""
         group = self.ensure()
         try:
             return step(group)
         except BaseException as exc:
             self.reset(str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__)
             raise
+
+    @staticmethod
+    def _stage(group: WorkerGroup, store: ShareStore, r: int, j: int, name: str) -> None:
+        """Client ``j``'s staged update of round ``r`` at the workers as ``name``: read by each worker
+        where the store keeps it on the shards, else sent from here."""
+        if store.shards is not None:
+            group.load(name, store.staged_update_ref(r, j))
+        else:
+            group.scatter(name, store.staged_upload(r, j).update)
 
     # ------------------------------------------------------------------ the range check
     def prepare(self, store: ShareStore, r: int, participants: Sequence[int]) -> PreparedCheck:
@@ -182,12 +198,12 @@ class ServerWorkers:
         names = tuple(f"round{r}/client{j}" for j in parts)
 
         def scatter(group: WorkerGroup) -> PreparedCheck:
-            ups = [store.staged_upload(r, j) for j in parts]
-            for n, u in zip(names, ups):
-                group.scatter(n, u.update)
-            return PreparedCheck(r, parts, names, np.array([int(u.norm.reshape(-1)[0]) for u in ups], np.int64),
-                                 np.array([int(u.delta.reshape(-1)[0]) for u in ups], np.int64))
-        return self._guarded(scatter)
+            for n, j in zip(names, parts):
+                self._stage(group, store, r, j, n)
+            scalars = [store.staged_scalars(r, j) for j in parts]
+            return PreparedCheck(r, parts, names, np.array([int(a.reshape(-1)[0]) for a, _ in scalars], np.int64),
+                                 np.array([int(b.reshape(-1)[0]) for _, b in scalars], np.int64))
+        return self.on_workers(scatter)
 
     def check(self, prepared: PreparedCheck, party: Any, ticket: bytes,
               peer_addresses: Sequence[tuple[str, int]] | None, precision: int) -> list[int]:
@@ -204,7 +220,7 @@ class ServerWorkers:
             group.close()
             group.drop(list(prepared.names))
             return [j for j, ok in zip(prepared.participants, bits) if ok]
-        return self._guarded(run)
+        return self.on_workers(run)
 
     # ------------------------------------------------------------------ an unlearning job
     def open_job(self, party: Any, ticket: bytes) -> WorkerGroup:
@@ -213,7 +229,7 @@ class ServerWorkers:
         def meet(group: WorkerGroup) -> WorkerGroup:
             self._meet(group, party, ticket)
             return _JobSeam(group) if planned(JOB_SEAM) else group
-        return self._guarded(meet)
+        return self.on_workers(meet)
 
     def _meet(self, group: WorkerGroup, party: Any, ticket: bytes) -> None:
         """Open the pairs' sessions ``ticket``: server 1 sends where its workers wait over the
@@ -239,16 +255,16 @@ class ServerWorkers:
         names = [f"round{r}/vote/client{j}" for j in participants]
 
         def run(group: WorkerGroup) -> tuple[np.ndarray, list[dict]]:
-            # after a failure the workers are ended (``_guarded``), their shares with them
+            # after a failure the workers are ended (``on_workers``), their shares with them
             self._meet(group, party, ticket)
             for n, j in zip(names, participants):
-                group.scatter(n, store.staged_upload(r, j).update)
+                self._stage(group, store, r, j, n)
             vote = vote_on_shards(group, names, lam, store.precision)
             group.drop(names)
             meters = group.meters()
             group.close()
             return vote, meters
-        return self._guarded(run)
+        return self.on_workers(run)
 
     def end_job(self, failed: str | None) -> list[dict]:
         """After a job's run: each pair's meters and its session closed, or (``failed``: why) the
@@ -256,7 +272,7 @@ class ServerWorkers:
         if failed is not None:
             self.reset(failed)
             return []
-        return self._guarded(lambda group: (group.meters(), group.close())[0])
+        return self.on_workers(lambda group: (group.meters(), group.close())[0])
 
     def release(self, prepared: PreparedCheck) -> None:
         """Drop a prepared check's shares that no check consumed (its round moved on)."""

@@ -10,7 +10,9 @@ two-party engine (kept for the worker's lifetime, ``mpc.session.shared_engine_po
 This class is the actor's body and knows nothing of Ray (``worker_group`` makes it a Ray actor in
 the server's own cluster), so the same code runs, and is tested, as a plain process.
 
-What a worker holds: named int64 ring shares of its shard (``put``/``drop``), in memory; what
+What a worker holds: named int64 ring shares of its shard (``put``/``drop``), in memory, and, where
+its server keeps the stored updates on the shards, its slices of them in its own directory
+(``shard_dir``: ``put_slices``, ``load``; ``servers.store.shard_files``); what
 leaves it: what its coordinator asks for, which is either a share (this server's, never the
 peer's) or a value the pair opened on purpose (a program's documented output).
 """
@@ -30,8 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from common.prg import expand
 from mpc.session import open_party, shared_engine_pool
 from net import tls
+from servers.store.blobs import BlobError, BlobStore
+from servers.store.shard_files import named_blob, removed_durably, slice_dir
 
 __all__ = ["ShardWorker", "WorkerError"]
 
@@ -68,7 +73,7 @@ class ShardWorker:
 
     def __init__(self, rank: int, worker: int, keys_dir: str, *, offline: str,
                  dealer_address: tuple[str, int] | None = None, listen_host: str = "127.0.0.1",
-                 listen_port: int = 0, timeout: float = 120.0) -> None:
+                 listen_port: int = 0, timeout: float = 120.0, shard_dir: str | None = None) -> None:
         self.name = tls.party_name(rank, worker)
         try:
             tls.identity(keys_dir, self.name)       # fail at start, naming the missing file
@@ -91,6 +96,11 @@ class ShardWorker:
         self._held = self._peak_held = 0        # bytes of shares kept, now and at most
         self._party: Any = None
         self._ticket: bytes | None = None
+        # this shard's slices of the stored updates (``servers.store.shard_files``), on this machine
+        try:
+            self._files: BlobStore | None = slice_dir(shard_dir) if shard_dir else None
+        except OSError as exc:
+            raise WorkerError(f"{self.name}: cannot use its shard directory {shard_dir}: {exc}") from None
         self._started = time.time()
 
     # ------------------------------------------------------------------ the pair's link
@@ -170,6 +180,49 @@ class ShardWorker:
         except KeyError:
             raise WorkerError(f"{self.name} holds no share named {name!r}") from None
 
+    # ------------------------------------------------------------------ the stored slices
+    def _slices(self) -> BlobStore:
+        if self._files is None:
+            raise WorkerError(f"{self.name} has no shard directory (its server keeps every share)")
+        return self._files
+
+    def put_slices(self, items: list[tuple[str, np.ndarray]]) -> int:
+        """Each ``(digest, slice)`` made durable under ``digest`` (the whole update's name)."""
+        return len(self._slices().put_many([named_blob(digest, part) for digest, part in items]))
+
+    def read_slice(self, digest: str) -> np.ndarray:
+        try:
+            return self._slices().read(digest)
+        except BlobError as exc:
+            raise WorkerError(f"{self.name}: {exc}") from None
+
+    def remove_slices(self, digests: list[str]) -> int:
+        files = self._slices()
+        return removed_durably(files, files.remove(digests))
+
+    def sweep_slices(self, keep: set[str]) -> int:
+        files = self._slices()
+        return removed_durably(files, files.sweep(set(keep)))
+
+    def slice_names(self) -> set[str]:
+        return self._slices().digests()
+
+    def load(self, name: str, ref: str, bounds: tuple[int, int], dim: int) -> int:
+        """Keep this shard of the stored update ``ref`` (a catalog reference: ``blob:<digest>``, read
+        from this worker's directory, or ``seed:<hex>``, expanded here) under ``name``: a stored
+        share reaches the pair without passing through the coordinator."""
+        kind, _, value = ref.partition(":")
+        if kind == "blob":
+            part = self.read_slice(value)
+        elif kind == "seed":
+            part = expand(bytes.fromhex(value), (dim,))[bounds[0]:bounds[1]]
+        else:
+            raise WorkerError(f"{self.name}: {ref[:40]!r} is not a stored update's reference")
+        if part.shape != (bounds[1] - bounds[0],):
+            raise WorkerError(f"{self.name}: the slice of {ref[:40]} has {part.size} coordinates, "
+                              f"its shard {bounds[1] - bounds[0]}")
+        return self.put(name, part)
+
     # ------------------------------------------------------------------ computing
     def run(self, program: Callable[..., Any], *args: Any) -> Any:
         """``program(party, worker, *args)`` in the pair's open session (a module-level function,
@@ -194,4 +247,5 @@ class ShardWorker:
         return {"name": self.name, "pid": os.getpid(), "session": self._ticket is not None,
                 "shares": len(self._shares), "bytes": self._held, "peak_bytes": self._peak_held,
                 "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                "up_s": round(time.time() - self._started, 1)}
+                "up_s": round(time.time() - self._started, 1),
+                **({"slices": len(self._files.digests())} if self._files is not None else {})}

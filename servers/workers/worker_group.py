@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from net import tls
+
 from .shard_worker import ShardWorker, WorkerError
 from .shards import shard_bounds, split
 
@@ -53,7 +55,10 @@ def connect_cluster(rank: int, workers: int, *, ray_address: str | None = None,
         return
     # a local cluster never spills objects to disk: the shares a coordinator hands its workers
     # pass through the object store, and erasure must not have to find them in spill files
+    # worker k's resource (its name, one unit) pins it to the node of its shard's directory; a local
+    # cluster is that node for every shard
     local = {} if ray_address else {"num_cpus": max(os.cpu_count() or 1, int(workers * cpus_per_worker)),
+                                    "resources": {tls.party_name(rank, k): 1 for k in range(tls.MAX_WORKERS)},
                                     "_temp_dir": str(ray_dir) if ray_dir else None,
                                     "_system_config": {"automatic_object_spilling_enabled": False}}
     ray.init(address=ray_address, namespace=f"starfish-server{rank}", include_dashboard=False,
@@ -70,13 +75,24 @@ class WorkerGroup:
 
     def __init__(self, rank: int, keys_dir: str | os.PathLike, workers: int, dim: int, *,
                  ray_address: str | None = None, ray_dir: str | os.PathLike | None = None,
-                 cpus_per_worker: float = 1.0, **worker_options: Any) -> None:
+                 cpus_per_worker: float = 1.0, shard_dirs: Sequence[str] | None = None,
+                 **worker_options: Any) -> None:
         ray = self._ray = _ray()
-        self.rank, self.workers = rank, workers
+        self.rank, self.workers, self.dim = rank, workers, dim
         self.bounds = shard_bounds(dim, workers)
         connect_cluster(rank, workers, ray_address=ray_address, ray_dir=ray_dir, cpus_per_worker=cpus_per_worker)
-        actor = ray.remote(ShardWorker).options(num_cpus=cpus_per_worker, max_restarts=0)
-        self.actors = [actor.remote(rank, k, str(keys_dir), **worker_options) for k in range(workers)]
+        names = [tls.party_name(rank, k) for k in range(workers)]
+        undeclared = [n for n in names if ray.cluster_resources().get(n, 0) < 1]
+        if undeclared:
+            raise WorkerError(
+                f"the Ray cluster at {ray_address or 'this machine'} declares no resource {undeclared[0]!r}: "
+                f"worker k runs on the node that declares its name, where its shard's files and key are; "
+                f"start that node with `ray start --address=... --resources='{{\"{undeclared[0]}\": 1}}'`")
+        dirs = list(shard_dirs) if shard_dirs is not None else [None] * workers
+        self.actors = [ray.remote(ShardWorker).options(num_cpus=cpus_per_worker, max_restarts=0,
+                                                       resources={names[k]: 1})
+                       .remote(rank, k, str(keys_dir), shard_dir=dirs[k], **worker_options)
+                       for k in range(workers)]
         try:
             self.addresses = self._all("address")     # waits until every worker is up
         except BaseException:
@@ -141,6 +157,27 @@ class WorkerGroup:
     def drop(self, names: list[str]) -> list[int]:
         return self._all("drop", common=(list(names),))
 
+    # ------------------------------------------------------------------ the stored slices
+    def store_slices(self, arrays: Sequence[tuple[str, np.ndarray]]) -> None:
+        """Each ``(digest, update)``'s slice k made durable at worker k (``servers.store.shard_files``)."""
+        self._all("put_slices", [[(d, np.ascontiguousarray(arr[a:b])) for d, arr in arrays] for a, b in self.bounds])
+
+    def read_slices(self, digest: str) -> list[np.ndarray]:
+        return self._all("read_slice", common=(digest,))
+
+    def remove_slices(self, digests: Sequence[str]) -> int:
+        return sum(self._all("remove_slices", common=(list(digests),)))
+
+    def sweep_slices(self, keep: set[str]) -> int:
+        return sum(self._all("sweep_slices", common=(set(keep),)))
+
+    def slice_names(self) -> list[set[str]]:
+        return self._all("slice_names")
+
+    def load(self, name: str, ref: str) -> None:
+        """The stored update ``ref``'s shard k kept by worker k under ``name``, read where it lives."""
+        self._all("load", [name] * self.workers, [ref] * self.workers, self.bounds, common=(self.dim,))
+
     def meters(self) -> list[dict[str, Any]]:
         """Each pair's traffic so far in its open session (``Party.meters``)."""
         return self._all("meters")
@@ -167,7 +204,7 @@ class WorkerGroup:
     def stop_workers(self) -> None:
         """End this group's workers and keep the cluster: what a coordinator does before it
         starts a new group for the next attempt of a round or a job (a dead worker's shares are
-        gone with it; the store still holds them, so the next attempt scatters them again)."""
+        gone with it; the store still holds them, so the next attempt reads or scatters them again)."""
         # a live worker ends its engine and removes its files first; a dead or stuck one is
         # ended anyway, and its successor sweeps its files (``ShardWorker``)
         refs = [a.shutdown.remote() for a in self.actors]

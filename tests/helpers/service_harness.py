@@ -7,9 +7,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from clients.initial_model import initial_model
 from clients.service_client import ServiceClient
 from net.channel import ChannelError
 from common.service_config import ServiceConfig, load_config, write_scratch_deployment
+from servers.store.share_store import ShareStore
+from servers.workers.shard_store_files import local_files
 from starfish.demo import ProcessGroup
 
 
@@ -48,6 +51,14 @@ class Deployment:
 
     def start_server(self, party: int, crash_at: str | None = None):
         return self.start(f"server{party}", ["server", "--party", str(party)], crash_at)
+
+    def store(self, party: int) -> ShareStore:
+        """Server ``party``'s store, opened here (its daemon stopped); with workers, their shard
+        directories are read from this machine (``servers.workers.shard_store_files.local_files``)."""
+        shards = None
+        if self.cfg.workers > 1:
+            shards = local_files(self.cfg, party, int(initial_model(self.cfg.model).size))
+        return ShareStore(self.cfg.data_dir(party) / "store", party=party, shards=shards)
 
     def client(self, identity: str, party: int, **kw: Any) -> ServiceClient:
         return ServiceClient(self.cfg.keys_dir, identity, party, self.cfg.server(party).api().address,

@@ -32,7 +32,6 @@ from common import wire
 from net.channel import ChannelError
 from common.encoding import decode, encode
 from lab.aggregators import BraceSign, FedSECA
-from servers.store.share_store import ShareStore
 from tests.helpers.service_harness import Deployment
 
 torch.set_num_threads(1)
@@ -138,7 +137,7 @@ def _run(root, aggregator: str, crash: str | None, *, rounds: int = ROUNDS, offl
         out["logs"] = {p: (root / "logs" / f"server{p}.log").read_text() for p in (0, 1)}
     finally:
         dep.close()
-    stores = [ShareStore(dep.cfg.data_dir(p) / "store", party=p) for p in (0, 1)]
+    stores = [dep.store(p) for p in (0, 1)]
     try:
         out["models"] = [np.array(stores[0].model(r)) for r in range(rounds + 1)]
         out["same"] = all(np.array_equal(stores[0].model(r), stores[1].model(r)) and

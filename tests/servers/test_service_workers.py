@@ -11,7 +11,8 @@ FedAvg for every FL round (the clients' own check), the plaintext Stage II on th
 server naming a worker of its own), what ``status`` shows (every worker up before, a new group of
 workers after the kill: other process ids; the killed one named in server 0's log), and a byte scan after the erasure of
 every place a worker of either server keeps files (its temporary directory, its server's Ray
-directory) and of the stores, for the forgotten client's shares as each worker held them.
+directory, its shard directory with its slices of the stored updates) and of the stores, for the
+forgotten client's shares as each worker held them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import pytest
 from clients.share_seeds import disk_traces, find_traces, seeded_shares
 from lab.history import NpzHistory
 from net import tls
-from servers.store.share_store import ShareStore
+from servers.store.shard_files import SliceDirs
+from servers.store.share_store import ShareStore, StoreError
 from servers.workers.server_workers import JOB_SEAM
 from servers.workers.shards import shard_bounds
 from tests.helpers.service_harness import Deployment, job_model, stage2_twin
@@ -110,6 +112,12 @@ def _worker_dirs(dep, p):
         + glob.glob(os.path.join(tmp, f"sfray{p}-*"))
 
 
+def _shard_dirs(dep, p):
+    """Where server p's worker k keeps its slices of the stored updates (``[server<p>] shard_dir``,
+    by default under the server's data directory)."""
+    return [str(dep.cfg.data_dir(p) / "shards" / f"w{k}") for k in range(K)]
+
+
 def _scan_while_running(dep, summary):
     """Per server: the worker directories scanned, and what the scans of those and of the store
     found of client 0's shares (forgotten) and client 1's (kept), as a worker or the store held them."""
@@ -129,9 +137,13 @@ def _scan_while_running(dep, summary):
                 ring = (shares["update"].materialize_share0() if p == 0 else shares["update"].share1).reshape(-1)
                 held += [ring[lo:lo + 8].astype("<i8").tobytes() for lo, _ in bounds]
             dirs = [d for d in _worker_dirs(dep, p) if os.path.isdir(d)]
+            shards = _shard_dirs(dep, p)
             found[c] = {"store": find_traces(dep.cfg.data_dir(p), stored),
-                        "workers": [h for d in dirs for h in find_traces(d, held)]}
-        out[p] = {"dirs": dirs, "found": found}
+                        "workers": [h for d in dirs for h in find_traces(d, held)],
+                        # worker k's slices of the stored updates: its shard's first ring elements
+                        "shards": [sorted({t for _, t in find_traces(shards[k], held[k::K])}) for k in range(K)]}
+        out[p] = {"dirs": dirs, "found": found,
+                  "slices": [sum(1 for _ in os.scandir(os.path.join(d, "blobs"))) for d in _shard_dirs(dep, p)]}
     return out
 
 
@@ -139,9 +151,20 @@ def test_every_fl_round_equals_plaintext_fedavg(run):
     dep, summary, *_ = run
     assert summary["T"] == FL_ROUNDS + 1                   # 4 FL rounds and the adoption
     assert summary["fedavg_max_abs_error"] < 1e-4
+    twin = NpzHistory(summary["twin_dir"])
+    dim = twin.model(0).numel()
     for p in (0, 1):
-        with ShareStore(dep.cfg.data_dir(p) / "store", party=p) as st:
+        # the store's update shares are in its workers' shard directories (here on this machine)
+        with pytest.raises(StoreError, match="workers = 2"):
+            ShareStore(dep.cfg.data_dir(p) / "store", party=p)
+        shards = SliceDirs(_shard_dirs(dep, p), shard_bounds(dim, K))
+        with ShareStore(dep.cfg.data_dir(p) / "store", party=p, shards=shards) as st:
             assert st.fl_rounds == FL_ROUNDS and sorted(st.forgotten()) == [0]
+            assert st.verify() == []          # every slice joins to the update its catalog row names
+            # what each worker keeps is exactly the kept updates' slices (server 0 keeps seeds)
+            refs = {st.update_ref(i, j) for i in range(1, st.num_rounds + 1) for j in st.participants(i)}
+            digests = {r[5:] for r in refs if r.startswith("blob:")}
+            assert shards.names() == [digests] * K and (p == 0) == (digests == set())
 
 
 def test_status_shows_each_worker_and_a_killed_one_is_replaced(run):
@@ -158,6 +181,9 @@ def test_status_shows_each_worker_and_a_killed_one_is_replaced(run):
     for p in (0, 1):
         for k in range(K):
             assert f"worker server{p}-w{k}: up" in cli.stdout, cli.stdout
+    # each worker counts the slices in its shard directory (server 0 keeps seeds: none)
+    assert re.search(r"worker server1-w1: up .*, [1-9]\d* stored slices", cli.stdout), cli.stdout
+    assert re.search(r"worker server0-w1: up .*, 0 stored slices", cli.stdout), cli.stdout
 
 
 def test_the_job_is_adopted_at_both_servers_and_equals_the_twin(run):
@@ -185,6 +211,13 @@ def test_erasure_reaches_every_worker(run):
         assert found[1]["store"], "the scan must find a kept client's shares in the store"
         assert found[0]["store"] == [] and found[0]["workers"] == []
         assert found[1]["workers"] == []       # workers drop (zero) every share after a check
+        # each worker's shard directory: server 1's hold the kept client's slices and none of the
+        # forgotten one's; server 0 stores seeds (no slice files)
+        assert found[0]["shards"] == [[]] * K
+        if p == 1:
+            assert all(found[1]["shards"][k] for k in range(K)) and all(scans[p]["slices"]), scans[p]
+        else:
+            assert scans[p]["slices"] == [0] * K
 
 
 def test_a_worker_killed_mid_job_fails_the_run_on_both_servers_and_the_next_run_is_adopted(run):
