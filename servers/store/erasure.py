@@ -136,10 +136,13 @@ class ErasureLog(StoreCatalog):
 
     def _compact(self) -> None:
         """Leave no deleted catalog content in the store's files: the blob directory's
-        removals fsynced, the WAL checkpointed and truncated, the database rebuilt
+        removals fsynced, the shards' unreferenced slices removed, the WAL checkpointed and truncated, the database rebuilt
         (VACUUM), the WAL truncated again; then clear :data:`COMPACT_FLAG`."""
         assert self._conn is not None
         _blobs.fsync_dir(self.blobs.dir)
+        # the erased updates' slices, every shard's (the flag stays set until they are gone, so a
+        # shard that failed here is swept at the adoption's replay or the next open)
+        self._sweep_shards(erasure=True)
         self._wal_truncate()
         self._conn.execute("VACUUM")
         self._checkpoint_hook("compact-vacuumed")
@@ -365,8 +368,6 @@ class ErasureLog(StoreCatalog):
         self._checkpoint_hook("adopt-committed")
         removed = self.blobs.sweep(self._referenced())
         _blobs.fsync_dir(self.blobs.dir)
-        if self.shards is not None:      # the erased updates' slices, every shard's
-            self.shards.sweep(self._update_digests())
         extra = sorted(p.name for p in removed if p.name.removesuffix(".blob") not in unused)
         if extra:
             log.warning("history store %s: also removed leftovers %s", self.root, extra)

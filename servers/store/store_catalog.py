@@ -248,14 +248,16 @@ class StoreCatalog:
         elif blobs:
             self.shards.put([(b.digest, np.frombuffer(b.payload, dtype="<i8")) for b in blobs])
 
-    def _sweep_shards(self) -> int:
-        """The shards' slices no catalog row names, removed (a crash's or an erasure's)."""
+    def _sweep_shards(self, erasure: bool = False) -> int:
+        """The shards' slices no catalog row names, removed (a crash's leftovers, or ``erasure``:
+        the forgotten clients' updates)."""
         if self.shards is None:
             return 0
         removed = self.shards.sweep(self._update_digests())
         if removed:
-            log.warning("history store %s: removed %d slice file(s) no round refers to from its shards",
-                        self.root, removed)
+            log.log(logging.INFO if erasure else logging.WARNING, "history store %s: removed %d slice "
+                    "file(s) no round refers to from its shards%s", self.root, removed,
+                    "" if erasure else " (crash leftovers)")
         return removed
 
     def _recover(self) -> list[Path]:

@@ -156,3 +156,41 @@ def test_a_store_cannot_change_its_number_of_shards(tmp_path, made, opened):
     msg = str(err.value)
     assert f"on {made} shard(s)" in msg and f"runs {opened}" in msg and f"workers = {made}" in msg
     assert "\n" not in msg
+
+
+class _FailingOnce(SliceDirs):
+    """Shard directories whose next sweep fails once ``failed`` is False, as a worker that dies
+    during an erasure."""
+
+    failed = False
+
+    def sweep(self, keep):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("sweep_slices failed on 1 of 2 workers: server1-w1 is gone")
+        return super().sweep(keep)
+
+
+def test_an_erasure_whose_shard_fails_finishes_at_the_replay_of_the_adoption(tmp_path):
+    dim, k = 12, 2
+    dirs = [tmp_path / "shards" / f"w{i}" for i in range(k)]
+    shards = _FailingOnce(dirs, shard_bounds(dim, k))
+    shards.failed = True              # the open's recovery sweep passes
+    store = ShareStore(tmp_path / "store", party=1, initial_model=np.zeros(dim, np.float32), server_lr=0.5,
+                       shards=shards)
+    shards.failed = False             # the adoption's sweep fails once
+    rng = np.random.default_rng(3)
+    gone, kept = ring(rng, (dim,)), ring(rng, (dim,))
+    with store:
+        store.append_round(1, np.ones(dim, np.float32), [0, 1], {0: 0.5, 1: 0.5},
+                           {0: ClientShares(gone, ring(rng, ()), ring(rng, ())),
+                            1: ClientShares(kept, ring(rng, ()), ring(rng, ()))})
+        with pytest.raises(RuntimeError, match="server1-w1 is gone"):
+            store.adopt_unlearning(2, np.zeros(dim, np.float32), job="job-1", forgotten=[0])
+        # committed: the catalog forgot client 0, its slices are still on the shards
+        assert store.num_rounds == 2 and store.participants(1) == (1,)
+        assert all(len(n) == 2 for n in shards.names())
+        report = store.adopt_unlearning(2, np.zeros(dim, np.float32), job="job-1", forgotten=[0])
+        assert report.replayed
+        assert shards.names() == [{store.update_ref(1, 1)[5:]}] * k
+        assert np.array_equal(store.update_share(1, 1), kept)
