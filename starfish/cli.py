@@ -40,6 +40,9 @@ _BENCH: dict[str, tuple[str, str, str]] = {
                 "bench.scaling", "main"),
     "scale": ("a model of one Stage II on K workers per server, calibrated on `bench unlearning --workers` "
               "runs: time, traffic, memory per worker up to D = 100M, N = 1,000; JSON and PNG", "bench.scale", "main"),
+    "shard-store": ("one server's stored update shares on K workers' shard directories (issue 30): staging, "
+                    "commit, reads at the workers vs the coordinator, erasure, disk and memory", "bench.shard_store",
+                    "main"),
     "aggregation": ("one FL round's Byzantine-robust aggregation in 2PC (FedSECA or BRACE's sign vote), "
                     "MNIST shapes: bytes, rounds, seconds per step", "bench.robust_aggregation", "main"),
     "training": ("one FL round's local training, clients batched (vmap) vs one after another: seconds, "
