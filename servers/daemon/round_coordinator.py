@@ -95,6 +95,10 @@ class RoundCoordinator:
 
     def _share_sum(self, r: int, parts: list[int], sizes: dict[int, SampleCount]) -> np.ndarray:
         committed = r <= self.store.num_rounds
+        if self.workers is not None and self.store.shards is not None:
+            # the updates live on the shards: each worker adds its slices where they lie
+            return self.workers.share_sum([(self.store.update_ref(r, j) if committed
+                                            else self.store.staged_update_ref(r, j), int(sizes[j])) for j in parts])
         terms = []
         for j in parts:
             share = (self.store.update_share(r, j) if committed

@@ -191,6 +191,11 @@ class ServerWorkers:
         else:
             group.scatter(name, store.staged_upload(r, j).update)
 
+    def share_sum(self, terms: Sequence[tuple[str, int]]) -> np.ndarray:
+        """An FL round's FedAvg share sum of the stored updates ``terms`` [(ref_j, n_j)], each worker
+        adding its shard from its own directory (the store keeps its updates on the shards)."""
+        return self.on_workers(lambda group: group.weighted_sum(terms))
+
     # ------------------------------------------------------------------ the range check
     def prepare(self, store: ShareStore, r: int, participants: Sequence[int]) -> PreparedCheck:
         """This server's shares of round ``r``'s staged uploads, shard k to worker k."""

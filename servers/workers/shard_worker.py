@@ -35,6 +35,7 @@ import numpy as np
 from common.prg import expand
 from mpc.session import open_party, shared_engine_pool
 from net import tls
+from servers.secure.ring_aggregation import weighted_share_sum
 from servers.store.blobs import BlobError, BlobStore
 from servers.store.shard_files import named_blob, removed_durably, slice_dir
 
@@ -211,6 +212,14 @@ class ShardWorker:
         """Keep this shard of the stored update ``ref`` (a catalog reference: ``blob:<digest>``, read
         from this worker's directory, or ``seed:<hex>``, expanded here) under ``name``: a stored
         share reaches the pair without passing through the coordinator."""
+        return self.put(name, self._stored(ref, bounds, dim))
+
+    def weighted_sum(self, terms: list[tuple[str, int]], bounds: tuple[int, int], dim: int) -> np.ndarray:
+        """sum_j n_j * (this shard of the stored update ref_j) on the ring, for ``terms`` [(ref_j, n_j)]:
+        an FL round's FedAvg share sum, shard by shard (``servers.secure.ring_aggregation``)."""
+        return weighted_share_sum(((n, self._stored(ref, bounds, dim)) for ref, n in terms), bounds[1] - bounds[0])
+
+    def _stored(self, ref: str, bounds: tuple[int, int], dim: int) -> np.ndarray:
         kind, _, value = ref.partition(":")
         if kind == "blob":
             part = self.read_slice(value)
@@ -221,7 +230,7 @@ class ShardWorker:
         if part.shape != (bounds[1] - bounds[0],):
             raise WorkerError(f"{self.name}: the slice of {ref[:40]} has {part.size} coordinates, "
                               f"its shard {bounds[1] - bounds[0]}")
-        return self.put(name, part)
+        return part
 
     # ------------------------------------------------------------------ computing
     def run(self, program: Callable[..., Any], *args: Any) -> Any:

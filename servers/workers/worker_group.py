@@ -24,7 +24,7 @@ import numpy as np
 from net import tls
 
 from .shard_worker import ShardWorker, WorkerError
-from .shards import shard_bounds, split
+from .shards import join, shard_bounds, split
 
 __all__ = ["WorkerGroup", "connect_cluster", "ray_missing_message"]
 
@@ -173,6 +173,10 @@ class WorkerGroup:
 
     def slice_names(self) -> list[set[str]]:
         return self._all("slice_names")
+
+    def weighted_sum(self, terms: Sequence[tuple[str, int]]) -> np.ndarray:
+        """sum_j n_j * (stored update ref_j) on the ring, each worker its shard from its own files."""
+        return join(self._all("weighted_sum", [list(terms)] * self.workers, self.bounds, common=(self.dim,)))
 
     def load(self, name: str, ref: str) -> None:
         """The stored update ``ref``'s shard k kept by worker k under ``name``, read where it lives."""

@@ -32,7 +32,8 @@ LINKED = {"runtime", "primitives", "steps", "unlearning", "range-check", "aggreg
 NETEM = {"steps", "unlearning", "range-check"}
 #: benches that compare offline modes take a list; its default
 SEVERAL = {"runtime": "dealer", "primitives": "dealer", "public-division": "dealer,two-party"}
-PLAINTEXT = {"training"}
+#: benches that run no 2PC (plaintext training; the store's files): no --profile, no --offline
+PLAINTEXT = {"training", "shard-store"}
 #: benches that run nothing (a model fitted to other benches' JSON): no seed, no progress bar
 ANALYSIS = {"scale"}
 

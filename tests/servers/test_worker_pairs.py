@@ -265,10 +265,12 @@ def test_a_worker_zeroes_every_share_it_lets_go_and_counts_what_it_holds(tmp_pat
 @given(dim=st.integers(1, 50), k=st.integers(1, 4), seed=st.integers(0, 2**32 - 1), seeded=st.booleans())
 def test_a_worker_loads_its_slice_of_a_stored_update_from_its_own_directory(tmp_path_factory, dim, k, seed, seeded):
     """What the store put on the shards (``SliceDirs``, the coordinator's side) each worker reads
-    as its shard (``ShardWorker.load``, the worker's side): numpy's slice of the update, whether
+    as its shard (``ShardWorker.load``, ``weighted_sum``: the worker's side): numpy's slice of the
+    update and of a FedAvg share sum, whether
     the catalog names a blob (read from the worker's directory) or a seed (expanded there); a
     reference it does not hold fails in one line naming the worker."""
     from common.prg import expand
+    from servers.secure.ring_aggregation import weighted_share_sum
     from servers.store.blobs import encode_blob
     from servers.store.shard_files import SliceDirs
     from servers.workers.shard_worker import ShardWorker, WorkerError
@@ -288,12 +290,16 @@ def test_a_worker_loads_its_slice_of_a_stored_update_from_its_own_directory(tmp_
         update = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, dim, dtype=np.int64, endpoint=True)
         ref = f"blob:{encode_blob(update).digest}"
         SliceDirs([root / f"w{i}" for i in range(k)], bounds).put([(ref[5:], update)])
+    # a FedAvg share sum over the update and itself under two public counts: numpy's, slice by slice
+    counts = [int(c) for c in rng.integers(1, 2**20, 2)]
+    want = weighted_share_sum([(counts[0], update), (counts[1], update)], dim)
     saved = tempfile.tempdir
     try:
         for i, (a, b) in enumerate(bounds):
             w = ShardWorker(0, i, str(keys), offline="dealer", shard_dir=str(root / f"w{i}"))
             assert w.load("u", ref, (a, b), dim) == 8 * (b - a)
             assert np.array_equal(w.share("u"), update[a:b])
+            assert np.array_equal(w.weighted_sum([(ref, counts[0]), (ref, counts[1])], (a, b), dim), want[a:b])
             with pytest.raises(WorkerError, match=rf"^server0-w{i}: blob file .* is missing$"):
                 w.load("v", "blob:" + "0" * 64, (a, b), dim)
             w.shutdown()
