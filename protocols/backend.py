@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence, Union
 
+import numpy as np
 import torch
 
 from mpc.crypten_compat import crypten
@@ -40,6 +41,8 @@ Tensor = Union[torch.Tensor, Any]  # torch.Tensor or crypten MPCTensor
 
 __all__ = [
     "Tensor",
+    "from_share",
+    "share_of",
     "is_shared",
     "any_shared",
     "frac_bits",
@@ -282,6 +285,19 @@ def truncate_raw(x: Any) -> Any:
 def bits_of(x: Any) -> int:
     """Fractional bits of a sharing (its encoder's precision)."""
     return int(round(math.log2(x.encoder.scale)))
+
+
+def from_share(arr: Any, bits: int) -> Any:
+    """This side's int64 share (an array) as a sharing read at ``bits`` fractional bits: a share that
+    crossed from another session of the same pair of servers (a coordinator's to its worker's)."""
+    return crypten.mpc.MPCTensor.from_shares(torch.from_numpy(np.array(arr, dtype=np.int64, copy=True)),
+                                             precision=bits)
+
+
+def share_of(x: Any) -> tuple[Any, int]:
+    """A sharing as (this side's int64 share as a numpy array, its fractional bits): what crosses
+    to or from a worker (:func:`from_share` reads it back)."""
+    return x.share.numpy().copy(), bits_of(x)
 
 
 def lift(x: Any, bits: int) -> Any:

@@ -49,7 +49,7 @@ from . import backend as B
 from .backend import Tensor
 from .comparator_networks import ge as _ge, negative as _neg
 
-__all__ = ["quantile_thresholds", "check_thresholds", "claim_operands", "claim_verdict",
+__all__ = ["quantile_thresholds", "check_thresholds", "claim_operands", "claim_verdict", "claim_counts", "verdict_from_counts",
            "LAMBDA_LIMIT", "Meter"]
 
 Meter = Callable[[str], ContextManager[Any]]
@@ -107,12 +107,25 @@ def claim_operands(G: Tensor, col: Tensor) -> list:
 def claim_verdict(bits: Tensor, lam: Tensor, D: int, gamma: float) -> torch.Tensor:
     """Public bool per client from the four blocks of :func:`claim_operands`' sign bits (4K x D,
     shared) and the shared lambda (K,): the counts, the range, one opening of K bits."""
-    K = int(lam.shape[0])
-    f = quantile_rank(D, gamma)
+    return verdict_from_counts(*claim_counts(bits), lam, D, gamma)
+
+
+def claim_counts(bits: Tensor) -> tuple[Tensor, Tensor]:
+    """(n_gt, n_ge) per client from :func:`claim_operands`' four blocks of sign bits (4K x m): sums
+    over the m coordinates, so a coordinate shard's counts add to the whole's."""
+    K, m = int(bits.shape[0]) // 4, int(bits.shape[1])
     n_gt = (bits[:K] + bits[K:2 * K]).sum(1)            # the two events are disjoint for lam >= 0
     # #{-lam < g < lam} = sum ([g < lam] + [g > -lam] - 1) for lam > 0; for lam = 0 it reads
     # -#{g = 0} instead of 0, so n_ge reads D + #{g = 0} >= D - f: it passes as it should
-    n_ge = 2 * D - (bits[2 * K:3 * K] + bits[3 * K:]).sum(1)
+    n_ge = 2 * m - (bits[2 * K:3 * K] + bits[3 * K:]).sum(1)
+    return n_gt, n_ge
+
+
+def verdict_from_counts(n_gt: Tensor, n_ge: Tensor, lam: Tensor, D: int, gamma: float) -> torch.Tensor:
+    """Public bool per client from the counts over all D coordinates (:func:`claim_counts`) and the
+    shared lambda: the ranges, one opening of K bits."""
+    K = int(lam.shape[0])
+    f = quantile_rank(D, gamma)
     raw = B.relabel(lam, 0)
     tests = _ge(B.cat([(D - 1 - f) - n_gt, n_ge - (D - f), raw, (LAMBDA_LIMIT - 1) - raw]), 0)
     ok = tests[:K] * tests[K:2 * K] * tests[2 * K:3 * K] * tests[3 * K:]

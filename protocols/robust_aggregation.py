@@ -152,6 +152,7 @@ by mu (what a Byzantine client can do with its update anyway).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple, Optional
 
 import torch
@@ -253,20 +254,31 @@ def _rsqrt_unit(x: Tensor) -> Tensor:
     return y
 
 
+def clip_norms(G: Tensor) -> Tensor:
+    """The rows' squared norms N_k, a sum over coordinates (so shards' parts add): twin float64;
+    2PC sum_j g_enc^2, the exact ring value of ||g_k||^2 at 32 fractional bits (read as integers)."""
+    if not B.is_shared(G):
+        return G.pow(2).sum(1)
+    return B.relabel(B.raw_square(G).sum(1), 0)
+
+
 def _clip_factors(G: Tensor) -> Tensor:
-    """c_k = min(1, tau / ||g_k||), tau the lower median of the norms (c_k = 1 for g_k = 0).
+    return clip_factors(clip_norms(G))
+
+
+def clip_factors(N: Tensor) -> Tensor:
+    """c_k = min(1, tau / ||g_k||), tau the lower median of the norms (c_k = 1 for g_k = 0), from
+    the squared norms ``N`` (:func:`clip_norms`).
 
     Twin: float64. 2PC: a sharing at 32 fractional bits (module docstring, "Fixed-point error").
     """
-    K = int(G.shape[0])
+    K = int(N.shape[0])
     m = (K - 1) // 2
-    if not B.is_shared(G):
-        n = G.pow(2).sum(1).sqrt()
+    if not B.is_shared(N):
+        n = N.sqrt()
         tau = torch.sort(n).values[m]
         return torch.where(n > tau, tau / torch.where(n > 0, n, torch.ones_like(n)),
                            torch.ones_like(n))
-    # N_k = sum_j g_enc^2: the exact ring value of ||g_k||^2 at 32 fractional bits
-    N = B.relabel(B.raw_square(G).sum(1), 0)
     bits = _ge(N.unsqueeze(1), torch.pow(4.0, torch.arange(1, _POW4 + 1, dtype=torch.float64)))
     e = bits.sum(1)  # 4**e <= N < 4**(e+1)
     # 4**(30-e) = 4**30 - sum_j [N >= 4**j] 3 4**(30-j): a public integer combination (telescoping)
@@ -354,7 +366,7 @@ class FedsecaParts(NamedTuple):
     thresholds: Tensor
 
 
-def _sign_blocks(G: Tensor, lam: Tensor, claims: bool = False) -> list:
+def sign_blocks(G: Tensor, lam: Tensor, claims: bool = False) -> list:
     """The blocks one bounded sign-test call takes: [g < 0], [-g < 0], [lambda - g < 0],
     [g + lambda < 0], with ``claims`` also the check's [g - lambda < 0], [-g - lambda < 0].
 
@@ -365,17 +377,35 @@ def _sign_blocks(G: Tensor, lam: Tensor, claims: bool = False) -> list:
     return blocks + (ops if claims else ops[:2])
 
 
-def _crise(S: Tensor):
-    """(weights w = K rho, [s = +1], [s = -1]) from the sign matrix S (K x D integers)."""
-    K, D = int(S.shape[0]), int(S.shape[1])
+def check_crise(K: int, D: int) -> None:
     if D >= BOUND or K * K >= BOUND:
         raise ValueError(f"CRISE's bounded sign tests need D < 2**31 and K**2 < 2**31, got K={K}, D={D}")
-    omega = S.matmul(S.t()) if B.is_shared(S) else S @ S.T    # integers, |omega| <= D
-    v = _sign(omega).sum(1)                                    # |v| <= K
-    w = (1 - _neg(v)) * v
-    t = w.unsqueeze(0).matmul(S).squeeze(0) if B.is_shared(S) else w @ S   # |t| <= K**2
+
+
+def crise_omega(S: Tensor) -> Tensor:
+    """omega~ = S S^T (K x K integers, |omega~| <= D): a sum over coordinates, so shards' parts add."""
+    return S.matmul(S.t()) if B.is_shared(S) else S @ S.T
+
+
+def crise_weights(omega: Tensor) -> Tensor:
+    """w = K rho = max(0, sum_l sgn(omega~_kl)) per client (|sum| <= K)."""
+    v = _sign(omega).sum(1)
+    return (1 - _neg(v)) * v
+
+
+def crise_signs(w: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
+    """([s = +1], [s = -1]) per coordinate, s = sgn(w^T S) (|w^T S| <= K**2): coordinate-wise."""
+    D = int(S.shape[1])
+    t = w.unsqueeze(0).matmul(S).squeeze(0) if B.is_shared(S) or B.is_shared(w) else w @ S
     bits = _neg(B.cat([-t, t]))
-    return w, bits[:D], bits[D:]
+    return bits[:D], bits[D:]
+
+
+def _crise(S: Tensor):
+    """(weights w = K rho, [s = +1], [s = -1]) from the sign matrix S (K x D integers)."""
+    check_crise(int(S.shape[0]), int(S.shape[1]))
+    w = crise_weights(crise_omega(S))
+    return (w, *crise_signs(w, S))
 
 
 def fedseca_parts(G: Tensor, *, gamma: float = FEDSECA_GAMMA, thresholds: Optional[Tensor] = None,
@@ -398,17 +428,29 @@ def fedseca_parts(G: Tensor, *, gamma: float = FEDSECA_GAMMA, thresholds: Option
         return FedsecaParts(empty, empty, torch.zeros(K, dtype=torch.float64), z2, z2, empty,
                             ones, empty, lam.reshape(K))
     with meter("signs"):
-        bits = _neg(B.cat(_sign_blocks(G, lam)))
+        bits = _neg(B.cat(sign_blocks(G, lam)))
     return _parts_from_signs(G, lam, bits, meter)
 
 
 def _parts_from_signs(G: Tensor, lam: Tensor, bits: Tensor, meter: Meter) -> FedsecaParts:
     """FedSECA from CRISE on, given the sign call's first four blocks (4 K x D bits)."""
     K = int(G.shape[0])
-    neg = bits[:K]
-    S, keep_pos, keep_neg = bits[K:2 * K] - neg, bits[2 * K:3 * K], bits[3 * K:4 * K]
+    S = bits[K:2 * K] - bits[:K]
     with meter("crise"):
         w, s_pos, s_neg = _crise(S)
+    agg, agree, count, c, mu = vrs_aggregate(G, bits, s_pos, s_neg, lambda: _clip_factors(G), meter)
+    return FedsecaParts(agg, s_pos - s_neg, w, bits[2 * K:3 * K] + bits[3 * K:4 * K], agree, count, c, mu,
+                        lam.reshape(K))
+
+
+def vrs_aggregate(G: Tensor, bits: Tensor, s_pos: Tensor, s_neg: Tensor, clip: Callable[[], Tensor],
+                  meter: Meter) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """RoCA over the VRS gradients, coordinate-wise (a shard computes its own coordinates): the
+    agreement bits, x = c |g|, the clamped sum and the division, from the sign call's first four
+    blocks ``bits`` and the elected signs; ``clip()`` gives the clip factors c (computed here, or
+    the coordinators' from the shards' norms). (aggregate, agree, count, c, mu)."""
+    K = int(G.shape[0])
+    neg, keep_pos, keep_neg = bits[:K], bits[2 * K:3 * K], bits[3 * K:4 * K]
     with meter("agree"):
         agree_pm = B.stack([keep_pos, keep_neg]) * B.stack([s_pos, s_neg]).unsqueeze(1)
         agree = agree_pm[0] + agree_pm[1]
@@ -416,14 +458,13 @@ def _parts_from_signs(G: Tensor, lam: Tensor, bits: Tensor, meter: Meter) -> Fed
         count = agree.sum(0)
     with meter("clip"):
         absg = (1 - neg * 2) * G
-        c = _clip_factors(G)
+        c = clip()
         x = _scale_rows(c, absg)
     with meter("clamp"):
         num, mu = _clamped_sum(x, signed)
     with meter("divide"):
         agg = _divide_by_count(num, count, K)
-    return FedsecaParts(agg, s_pos - s_neg, w, keep_pos + keep_neg, agree, count, c, mu,
-                        lam.reshape(K))
+    return agg, agree, count, c, mu
 
 
 class CheckedAggregate(NamedTuple):
@@ -461,7 +502,7 @@ def fedseca_checked(G: Tensor, thresholds: Tensor, *, gamma: float = FEDSECA_GAM
     lam = B.to_shared_like(thresholds if B.is_shared(thresholds) else _f64(thresholds))
     G = B.to_shared_like(G)
     with meter("signs"):
-        bits = _neg(B.cat(_sign_blocks(G, lam.unsqueeze(1), claims=True)))
+        bits = _neg(B.cat(sign_blocks(G, lam.unsqueeze(1), claims=True)))
     with meter("check"):
         ok = claim_verdict(bits[2 * K:], lam, D, gamma)
     kept = [k for k in range(K) if bool(ok[k])]

@@ -40,6 +40,9 @@ class ShardExecutor(Protocol):
             per_shard: Sequence[tuple] | None = None) -> list[Any]:
         """``program(party, worker, *args, *per_shard[k])`` on every pair; one result per shard."""
 
+    def put_all(self, name: str, share: np.ndarray) -> None:
+        """This server's share of a small value (not split: every worker keeps all of it)."""
+
     def drop(self, names: list[str]) -> None:
         """Forget (zero) the named shares at every worker."""
 

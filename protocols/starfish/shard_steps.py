@@ -18,8 +18,8 @@ import torch
 
 from common.offline_mode import OfflineMode
 from mpc import table_compare
-from mpc.crypten_compat import crypten
 from protocols import backend as B
+from protocols.backend import from_share as wrap, share_of
 from protocols.inner_product import inner_raw
 from protocols.robust_aggregation import brace_sign
 from protocols.threshold import exceed_counts_blocked
@@ -34,17 +34,6 @@ __all__ = ["Ref", "share_of", "wrap", "sub_program", "weighted_program", "rescal
 
 #: (name, row): the named share at a worker, or its row ``row``
 Ref = tuple[str, "int | None"]
-
-
-def wrap(arr: np.ndarray, bits: int) -> Any:
-    """This side's int64 share as a sharing read at ``bits`` fractional bits."""
-    return crypten.mpc.MPCTensor.from_shares(torch.from_numpy(np.array(arr, dtype=np.int64, copy=True)),
-                                             precision=bits)
-
-
-def share_of(x: Any) -> tuple[np.ndarray, int]:
-    """A sharing as (this side's int64 share, its fractional bits): what crosses to or from a worker."""
-    return x.share.numpy().copy(), B.bits_of(x)
 
 
 def _array(worker: Any, ref: Ref) -> np.ndarray:

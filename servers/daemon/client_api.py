@@ -54,6 +54,7 @@ from servers.daemon.job_scheduler import (
 )
 from servers.daemon.rate_limits import TokenBucket
 from servers.secure.ring_aggregation import max_total_samples
+from servers.workers.shard_worker import WorkerError
 from servers.daemon.round_coordinator import RoundCoordinator
 from servers.daemon.service_state import ServiceState
 from servers.store.job_records import JobRecord, JobState
@@ -262,6 +263,14 @@ class ClientAPI:
                           getattr(req, "op", "?"), who, exc)
                 return wire.error_reply(msg_id, "unavailable", f"server {self.party} is out of disk "
                                         "space; nothing was stored; retry later")
+            if isinstance(exc, WorkerError):
+                # retryable: the workers were ended with the failure and the next call starts new
+                # ones; the store wrote no catalog row, so nothing was staged
+                line = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+                log.error("request %s from %s: this server's workers failed (%s); answered unavailable",
+                          getattr(req, "op", "?"), who, line)
+                return wire.error_reply(msg_id, "unavailable", f"server {self.party}'s workers failed ({line}); "
+                                        "the request was not carried out; retry (new workers start)")
             if isinstance(exc, (ValueError, TypeError)):
                 return wire.error_reply(msg_id, "bad_request", str(exc))
             log.exception("request from %s failed", who)

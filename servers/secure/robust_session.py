@@ -13,11 +13,15 @@ Byzantine-robust rule, which needs comparisons on the shares. So, after the rang
   |g_k|?), the clients whose bit is 0 are left out, FedSECA runs on the others' updates with
   their thresholds (the check and the rule share one call of sign tests), and the aggregate
   g_tilde (D values) is opened;
-* ``brace-sign``: ``brace_sign`` on the participants' updates; the +-1 vote is opened. With
-  ``[deployment] workers`` > 1 the vote runs on the workers' coordinate shards (it is
-  coordinate-wise): the session above only meets the pairs (``ServerWorkers.brace_vote``), each
-  pair votes on its shard and opens it; FedSECA's rule runs here (its CRISE and clipping sum
-  over all coordinates).
+* ``brace-sign``: ``brace_sign`` on the participants' updates; the +-1 vote is opened.
+
+With ``[deployment] workers`` > 1 the rule's coordinate-wise work runs on the workers' coordinate
+shards: BRACE's vote entirely (``ServerWorkers.brace_vote``: each pair votes on its shard and
+opens it); FedSECA's sign tests, elected signs, agreement, clamping and division per shard, its
+three sums over coordinates (the check's counts, CRISE's S S^T, the norms) added at the
+coordinators, which decide the verdict, CRISE's weights and the clip factors in the session
+above (``ServerWorkers.fedseca_round``, ``protocols.fedseca_shards``); each pair opens its shard
+of the aggregate.
 
 Nothing else is opened (``protocols/robust_aggregation.py``, "What is opened"); both servers
 get the same vector. The step rule that turns it into M_r is ``servers.secure.robust_steps``.
@@ -62,11 +66,16 @@ class OpenedAggregate:
 
 
 class VoteWorkers(Protocol):
-    """A server's workers as a BRACE round uses them (``servers.workers.server_workers.ServerWorkers``)."""
+    """A server's workers as a robust round uses them (``servers.workers.server_workers.ServerWorkers``)."""
 
     def brace_vote(self, store: ShareStore, r: int, participants: Sequence[int], party: Any, ticket: bytes,
                    lam: float) -> tuple[np.ndarray, list[dict]]:
         """The round's opened vote, its shards voted by the worker pairs; the pairs' meters."""
+
+    def fedseca_round(self, store: ShareStore, r: int, participants: Sequence[int], party: Any, ticket: bytes,
+                      gamma: float) -> tuple[list[bool], np.ndarray | None, list[dict]]:
+        """FedSECA's checked round with its coordinate-wise work on the worker pairs' shards: the
+        verdict per participant, the opened aggregate of the kept (None if none), the pairs' meters."""
 
 
 def aggregate_digest(vector: np.ndarray) -> str:
@@ -86,15 +95,24 @@ def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, ro
         raise ValueError(f"{fl.aggregator!r} is not a robust aggregator")
     if not parts:
         raise ValueError("a robust aggregation needs at least one participant")
+    if fl.aggregator == "fedseca":
+        _staged_thresholds(store, round_no, parts)
     party = open_round_session(rank, cfg, round_no, "aggregate", parts, mpc_listener)
-    if workers is not None and fl.aggregator == "brace-sign":
+    if workers is not None:
         try:
-            ticket = f"round:{round_no}:vote-shards:{party.extras['session_id']}".encode()
-            vector, pairs = workers.brace_vote(store, round_no, parts, party, ticket, brace_vote_lambda(fl, len(parts)))
+            ticket = f"round:{round_no}:{fl.aggregator}-shards:{party.extras['session_id']}".encode()
+            if fl.aggregator == "brace-sign":
+                vector, pairs = workers.brace_vote(store, round_no, parts, party, ticket,
+                                                   brace_vote_lambda(fl, len(parts)))
+                ok = [True] * len(parts)
+            else:
+                ok, vector, pairs = workers.fedseca_round(store, round_no, parts, party, ticket, fl.fedseca_gamma)
             meters = with_pairs(party.meters(), pairs)
         finally:
             party.close()
-        return OpenedAggregate(tuple(parts), tuple(parts), (), vector.astype(np.float64), meters)
+        return OpenedAggregate(tuple(parts), tuple(j for j, good in zip(parts, ok) if good),
+                               tuple(j for j, good in zip(parts, ok) if not good),
+                               None if vector is None else vector.astype(np.float64).reshape(-1), meters)
     try:
         prec = store.precision
         rows = [party.wrap_share(store.staged_upload(round_no, j).update, precision=prec) for j in parts]
@@ -109,6 +127,16 @@ def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, ro
         party.close()
     return OpenedAggregate(tuple(parts), tuple(parts[k] for k in kept),
                            tuple(j for k, j in enumerate(parts) if k not in kept), vector, meters, served)
+
+
+def _staged_thresholds(store: ShareStore, round_no: int, parts: Sequence[int]) -> list[np.ndarray]:
+    """This server's shares of the participants' claimed lambda_k (FedSECA), each int64 of shape ()."""
+    thresholds = [store.staged_threshold(round_no, j) for j in parts]
+    missing = [j for j, t in zip(parts, thresholds) if t is None]
+    if missing:
+        # cannot happen through the client API, which requires the threshold here
+        raise ValueError(f"round {round_no}: clients {missing} staged no threshold")
+    return thresholds
 
 
 def with_pairs(meters: dict, pairs: Sequence[dict]) -> dict:
@@ -134,12 +162,7 @@ def _aggregate(party, fl, store: ShareStore, round_no: int, parts: list[int], ro
     """The rule on the shares: (the kept participants' positions, the opened vector or None)."""
     kept = list(range(len(parts)))
     if fl.aggregator == "fedseca":
-        thresholds = [store.staged_threshold(round_no, j) for j in parts]
-        missing = [j for j, t in zip(parts, thresholds) if t is None]
-        if missing:
-            # cannot happen through the client API, which requires the threshold here
-            raise ValueError(f"round {round_no}: clients {missing} staged no threshold")
-        lams = [party.wrap_share(t.reshape(1), precision=prec) for t in thresholds]
+        lams = [party.wrap_share(t.reshape(1), precision=prec) for t in _staged_thresholds(store, round_no, parts)]
         with party.meter("aggregate"):
             ok, agg = fedseca_checked(stack(rows), stack(lams).reshape(-1),
                                       gamma=fl.fedseca_gamma, meter=party.meter)

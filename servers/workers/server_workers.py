@@ -31,6 +31,7 @@ from common import wire
 from common.service_config import ServiceConfig
 from net.channel import KIND_OBJECT
 from net import tls
+from protocols.fedseca_shards import fedseca_on_shards
 from servers.store.crash_points import checkpoint, planned
 from servers.store.share_store import ShareStore
 
@@ -269,6 +270,27 @@ class ServerWorkers:
             meters = group.meters()
             group.close()
             return vote, meters
+        return self.on_workers(run)
+
+    def fedseca_round(self, store: ShareStore, r: int, participants: Sequence[int], party: Any, ticket: bytes,
+                      gamma: float) -> tuple[list[bool], np.ndarray | None, list[dict]]:
+        """Round ``r``'s FedSECA on the participants' staged uploads, its coordinate-wise work on the
+        shards (``protocols.fedseca_shards``): the pairs' sessions ``ticket`` met through ``party``,
+        the coordinators' small steps in ``party``. The verdict per participant, the opened
+        aggregate of the kept (None if none), the pairs' meters."""
+        names = [f"round{r}/fedseca/client{j}" for j in participants]
+        lam = np.array([int(store.staged_threshold(r, j).reshape(-1)[0]) for j in participants], np.int64)
+
+        def run(group: WorkerGroup) -> tuple[list[bool], np.ndarray | None, list[dict]]:
+            self._meet(group, party, ticket)
+            for n, j in zip(names, participants):
+                self._stage(group, store, r, j, n)
+            ok, vector = fedseca_on_shards(group, party, names, lam, store.dim, gamma=gamma,
+                                           precision=store.precision, tag=f"round{r}/fedseca")
+            group.drop(names)
+            meters = group.meters()
+            group.close()
+            return [bool(b) for b in ok.tolist()], vector, meters
         return self.on_workers(run)
 
     def end_job(self, failed: str | None) -> list[dict]:

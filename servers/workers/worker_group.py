@@ -154,6 +154,10 @@ class WorkerGroup:
         """This server's share of a (…, dim) value, its shard k to worker k."""
         self._all("put", [name] * self.workers, split(share, self.bounds))
 
+    def put_all(self, name: str, share: np.ndarray) -> None:
+        """This server's share of a small value (not split: every worker keeps all of it)."""
+        self._all("put", [name] * self.workers, [share] * self.workers)
+
     def drop(self, names: list[str]) -> list[int]:
         return self._all("drop", common=(list(names),))
 

@@ -115,3 +115,28 @@ def replay_combine_rounds_on_shards(party, rounds: list, rules: dict, k: int, bl
         del rows
     space.close()
     return [out, slices.held()]
+
+
+def checked_cases_on_shards(party, cases: list, ks: list) -> list:
+    """``fedseca_checked`` with its coordinate-wise work on ``ks[i]`` coordinate slices
+    (``protocols.fedseca_shards``; ``tests.helpers.shard_slices`` stands for the workers, the
+    coordinators' steps run in the same session): (accepted bits, opened aggregate or None) per
+    case, and what the slices still hold at the end."""
+    from protocols.backend import share_of
+    from protocols.fedseca_shards import fedseca_on_shards
+    from tests.helpers.shard_slices import SliceShards
+
+    out, held = [], 0
+    for c, k in zip(cases, ks):
+        g, lam = _shared(c["g"], 0), _shared(c["lam"], 1)
+        K, D = c["g"].shape
+        slices = SliceShards(party, D, min(k, D))
+        names = [f"g{i}" for i in range(K)]
+        for i, n in enumerate(names):
+            slices.scatter(n, share_of(g[i])[0])
+        lam_share, bits = share_of(lam)
+        ok, agg = fedseca_on_shards(slices, party, names, lam_share, D, gamma=c["gamma"], precision=bits)
+        out.append((ok.numpy(), agg))
+        slices.drop(names)
+        held += slices.held()
+    return [out, held]

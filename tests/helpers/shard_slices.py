@@ -44,6 +44,10 @@ class SliceShards:
         for (lo, hi), slot in zip(self.bounds, self.slots):
             slot.put(name, share[..., lo:hi])
 
+    def put_all(self, name: str, share: np.ndarray) -> None:
+        for slot in self.slots:
+            slot.put(name, share)
+
     def run(self, program, *args, per_shard=None) -> list[Any]:
         self.programs += 1
         return [program(self.party, slot, *args, *(per_shard[k] if per_shard else ()))

@@ -561,3 +561,19 @@ def test_the_quantile_search_takes_one_bit_a_step_on_large_matrices():
     assert quantile_step_bits(19, 582026) == 1 and quantile_step_bits(4, 1 << 18) == 1
     assert quantile_step_bits(5, 10000) == QUANTILE_STEP_BITS == 2
     assert quantile_step_bits(1, (1 << 20) - 1) == 2
+
+
+@pytest.mark.parametrize("mode", ["dealer", "two-party"])
+def test_fedseca_checked_on_coordinate_shards_equals_the_whole(mode, request):
+    """``protocols.fedseca_shards``: the round's coordinate-wise work on K = 1..4 slices, the
+    counts, omega~ and the norms added over them, the verdict, weights and clip factors at the
+    coordinators: the same verdicts as the oracle and an aggregate within the fixed-point bound of
+    the twin's (``_assert_checked_round``, the unsharded round's oracles), nothing left on a slice."""
+    n = 10 if mode == "dealer" else 3
+    cases = _claimed_cases(41 if mode == "dealer" else 43, n, max_k=6, max_d=15)
+    ks = [1 + i % 4 for i in range(len(cases))]
+    chosen = request.getfixturevalue("pair" if mode == "dealer" else "two_party_pair")
+    (out0, held0), (out1, held1) = chosen.call(rap.checked_cases_on_shards, cases, ks)
+    verdicts = _assert_checked_round(cases, out0, out1)
+    assert held0 == held1 == 0
+    assert any(0 < w.sum() < len(w) for w in verdicts) and not verdicts[-1].any()

@@ -267,3 +267,26 @@ def test_brace_sign_on_two_workers_per_server_votes_shard_by_shard_and_equals_th
         assert np.array_equal(run["models"][r], run["models"][r - 1] - LR * direction), r
         for p in (0, 1):
             assert re.search(rf"round {r} aggregated by brace-sign in 2PC: .* pairs=2\b", run["logs"][p]), run["logs"][p]
+
+
+def test_fedseca_on_two_workers_per_server_equals_the_twin_and_leaves_out_the_wrong_threshold(tmp_path):
+    """``[deployment] workers = 2`` under FedSECA (issue 30): each pair computes its shard's sign
+    tests, elected signs, agreement, clamped sum and division and opens its shard of the aggregate;
+    the check's counts, CRISE's S S^T and the norms are added at the coordinators, which decide.
+    Round 2's wrong lambda_k is refused; each model is within the aggregate's documented bound of the
+    plaintext FedSECA round on the stored updates; both servers log ``pairs=2``."""
+    pytest.importorskip("ray")
+    r_bad, bad = WRONG
+    run = _run(tmp_path, "fedseca", None, rounds=r_bad, workers=2)
+    assert run["same"]
+    twin = FedSECA(gamma=GAMMA, beta=BETA)
+    for r in range(1, r_bad + 1):
+        assert run["parts"][r] == tuple(j for j in range(N) if (r, j) != WRONG)
+        rows = run["rows"][r]
+        direction = twin.direction({j: torch.from_numpy(g) for j, g in rows.items()}, {}).numpy()
+        g_max = max(np.abs(g).max() for g in rows.values())
+        bound = LR * (2 * (2.0 ** -12 * g_max + 2.0 ** -16) + 2.0 ** -16)
+        assert np.abs(run["models"][r] - (run["models"][r - 1] - LR * direction)).max() <= bound, r
+        for p in (0, 1):
+            assert re.search(rf"round {r} aggregated by fedseca in 2PC: .* pairs=2\b", run["logs"][p]), run["logs"][p]
+    assert run["meta"][r_bad]["threshold_refused"] == [bad]
