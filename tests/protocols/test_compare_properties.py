@@ -265,7 +265,7 @@ SEEDS = st.integers(0, 2**32 - 1)
 
 def examples(fraction: float) -> settings:
     """A fraction of the active profile's examples, for tests that evaluate many mixes per
-    example (about 20 ms per comparison): default 30, thorough 400. The fractions below keep
+    example (about 20 ms per comparison): default 20, thorough 400. The fractions below keep
     the suite inside its 10-minute budget on 2 cores; ``thorough`` scales them up."""
     return settings(max_examples=max(1, int(settings.default.max_examples * fraction)))
 

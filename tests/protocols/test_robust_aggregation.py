@@ -569,7 +569,7 @@ def test_fedseca_checked_on_coordinate_shards_equals_the_whole(mode, request):
     counts, omega~ and the norms added over them, the verdict, weights and clip factors at the
     coordinators: the same verdicts as the oracle and an aggregate within the fixed-point bound of
     the twin's (``_assert_checked_round``, the unsharded round's oracles), nothing left on a slice."""
-    n = 10 if mode == "dealer" else 3
+    n = 6 if mode == "dealer" else 3
     cases = _claimed_cases(41 if mode == "dealer" else 43, n, max_k=6, max_d=15)
     ks = [1 + i % 4 for i in range(len(cases))]
     chosen = request.getfixturevalue("pair" if mode == "dealer" else "two_party_pair")

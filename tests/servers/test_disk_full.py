@@ -122,3 +122,17 @@ def test_unlearn_wait_after_the_adoption_shows_the_receipt(monkeypatch, capsys):
         ServiceError("forgotten" if op == "unlearn" else "not_found", op)))
     assert service_commands.cmd_unlearn(args) == 1
 
+
+
+def test_a_failed_worker_is_answered_unavailable_in_one_line():
+    """``[deployment] workers`` > 1: an upload whose slices a dead worker cannot store (issue 30) is
+    retryable, not ``internal``; the message names the worker and says nothing was done."""
+    from servers.workers.shard_worker import WorkerError
+
+    fail = WorkerError("put_slices failed on 1 of 2 workers: server1-w1 is gone: ActorDiedError")
+    msg_id, payload = wire.make_request("unlearn", job="j-1", nonce=1)
+    with pytest.raises(wire.WireError) as e:
+        wire.check_reply(_api(fail).handle("client-1", payload), msg_id, 1 << 20)
+    assert e.value.code == "unavailable" and "\n" not in e.value.message
+    assert "server 0's workers failed (put_slices failed on 1 of 2 workers: server1-w1 is gone" in e.value.message
+    assert e.value.message.endswith("the request was not carried out; retry (new workers start)")

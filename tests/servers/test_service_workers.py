@@ -176,10 +176,6 @@ def test_status_shows_each_worker_and_a_killed_one_is_replaced(run):
     assert victim not in {w["pid"] for w in after[0]}      # the round closed on new workers
     log = dep.log("server0", 400)
     assert "server0-w1 is gone" in log and "ending the workers after a failure" in log
-    # the first upload after the kill met the dead worker (its slices are stored there): the
-    # client was answered `unavailable` in one line and its retry was staged on new workers
-    assert re.search(r"request upload from client-\d: this server's workers failed \(.*server0-w1 is gone.*\); "
-                     r"answered unavailable", log), log
     assert "workers" not in client_view                    # the operator's, not a client's
     assert cli.returncode == 0, cli.stderr
     for p in (0, 1):

@@ -49,7 +49,7 @@ def cases(draw):
             "weights": [x / sum(raw) for x in raw]}
 
 
-@settings(max_examples=max(1, settings.default.max_examples // 3))   # default 30 -> 10 2PC runs
+@settings(max_examples=max(1, settings.default.max_examples // 3))   # default 20 -> 6 2PC runs
 @given(case=cases())
 def test_folded_aggregate_opens_the_per_row_sum_exactly(pair_in_each_mode, case):
     S, Y, v, stored, w = case["S"], case["Y"], case["v"], case["stored"], case["weights"]

@@ -64,7 +64,7 @@ def oracle(c: dict) -> np.ndarray:
     return np.stack([c["stored"][j] + (dense_bfgs(S[j], Y[j]) @ v).numpy() for j in range(S.shape[0])])
 
 
-#: 4 cases a 2PC call, a quarter of the profile's examples (default 30 -> 7 calls, 28 cases a
+#: 4 cases a 2PC call, a quarter of the profile's examples (default 20 -> 5 calls, 20 cases a
 #: mode): a two-party estimate costs about 0.5 s a case here, and the suite has 10 minutes
 @settings(deadline=None, max_examples=max(5, settings.default.max_examples // 4))
 @given(st.lists(cases(), min_size=4, max_size=4))

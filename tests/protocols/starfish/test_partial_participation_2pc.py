@@ -31,7 +31,7 @@ from .test_stage2_properties import MODEL_TOLERANCE, PAIR_MARGIN, RS_MARGIN, TC_
 
 torch.set_num_threads(1)
 
-EXAMPLES = max(1, settings.default.max_examples // 3)   # default 30 -> 10, thorough 400 -> 133
+EXAMPLES = max(1, settings.default.max_examples // 3)   # default 20 -> 6, thorough 400 -> 133
 
 
 @st.composite

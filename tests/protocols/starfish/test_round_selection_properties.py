@@ -47,7 +47,7 @@ FLOAT_DELTA = 1e-12
 #: cosines 0.3 + n 2**-9: distinct beyond GRID_DELTA, but closer than a coarse quotient's error
 CLUSTER_STEP = 2.0 ** -9
 #: a 2PC selection call sorts T keys three times (~1-2 s): a quarter of the profile's examples
-#: (default 30 -> 7, thorough 400 -> 100): the suite's 10-minute budget on 2 cores
+#: (default 20 -> 5, thorough 400 -> 100): the suite's 10-minute budget on 2 cores
 SELECT_EXAMPLES = max(5, settings.default.max_examples // 4)
 METHODS = ["ratio", "divide", "auto"]
 

@@ -106,7 +106,7 @@ def cases(draw):
             "block": draw(st.sampled_from([None, 1, n, 2 * n + 1, 10**6]))}   # SecTC's batches of values
 
 
-@settings(max_examples=max(1, settings.default.max_examples // 2))   # default 30 -> 15 2PC runs
+@settings(max_examples=max(1, settings.default.max_examples // 2))   # default 20 -> 10 2PC runs
 @given(case=cases())
 def test_shard_sums_equal_the_whole_in_2pc_and_plaintext(pair_in_each_mode, case):
     S, Y, v, stored, bounds = case["S"], case["Y"], case["v"], case["stored"], case["bounds"]

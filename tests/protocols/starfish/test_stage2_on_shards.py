@@ -35,7 +35,7 @@ def sharded_cases(draw) -> dict:
     return case
 
 
-@settings(max_examples=max(1, settings.default.max_examples // 5))   # default 30 -> 6
+@settings(max_examples=max(1, settings.default.max_examples // 5))   # default 20 -> 4
 @given(case=sharded_cases())
 def test_stage2_on_shards_equals_plaintext(pair_in_each_mode, case):
     clients, hist, hidden, targets, params, plain = plaintext_or_discard(case)

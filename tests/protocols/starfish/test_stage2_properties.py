@@ -50,7 +50,7 @@ MODEL_TOLERANCE = 1e-2
 RS_MARGIN = 1e-3        # gap between the k-th and (k+1)-th cosine key
 TC_MARGIN = 1e-3        # |max |g_hat| - delta| / delta of a client at a check
 PAIR_MARGIN = 1e-3      # |cos(y, s) - MIN_COSINE| of an offered L-BFGS pair
-EXAMPLES = max(1, settings.default.max_examples // 4)   # default 30 -> 7, thorough 400 -> 100
+EXAMPLES = max(1, settings.default.max_examples // 4)   # default 20 -> 5, thorough 400 -> 100
 T_DELTA = {"small": 0, "large": 10**6}                  # auto: T >= 0 -> divide; T < 10**6 -> ratio
 
 
