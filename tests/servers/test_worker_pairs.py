@@ -77,7 +77,8 @@ VOTE_LAMBDA = 0.5
 
 def _run(tmp_path, workers, counts, updates, norms, deltas):
     """One FL round's check and aggregate on shards in two-party mode, server 0's worker 1 killed
-    before its first attempt (``bench.worker_round.run_round``)."""
+    before its first attempt (``bench.worker_round.run_round``). ``wait`` only ends a hung run: on
+    this 2-core machine the run took 59-95 s alone and up to 239 s beside the rest of the suite."""
     pytest.importorskip("ray")
     from bench.worker_round import run_round
 
@@ -86,10 +87,11 @@ def _run(tmp_path, workers, counts, updates, norms, deltas):
     enc = lambda v: np.trunc(np.asarray(v) * 2**16).astype(np.int64)   # noqa: E731
     ring = enc(updates)
     out = run_round(str(keys), workers, ring, counts, enc(norms), enc(deltas), offline="two-party",
-                    dealer_address=None, kill_worker=True, timeout=120.0, wait=240.0, vote_lambda=VOTE_LAMBDA)
+                    dealer_address=None, kill_worker=True, timeout=120.0, wait=600.0, vote_lambda=VOTE_LAMBDA)
     return ring, out
 
 
+@pytest.mark.timeout(700)   # the module's 300 s: this run reached 239 s beside the rest of the suite
 def test_two_workers_per_server_check_and_aggregate_each_shard_exactly(tmp_path):
     """A round on shards in two-party mode: the range check's bits equal the unsharded twin's
     (client 1 lies about its norm, client 3 has one coordinate out of the window, in shard 1),
