@@ -158,7 +158,11 @@ def test_production_models_float32_one_epoch_of_two_steps(name, shape):
                          dtype=torch.float32)
     start = flatten_params(factory()).to(torch.float64)   # the lab's models are float64 vectors
     seq = {c.client_id: c.train(start, 1) for c in cores}
-    assert_same_uploads(seq, train_clients(cores, start, 1, mode="batched"), rtol=2e-4)
+    # float32: the loop's and vmap's reductions run in orders that vary from run to run (a CI run
+    # on 2026-12-06 gave 3.4e-3 of the largest coordinate for the CNN, where 8 runs alone stayed
+    # below 2e-4: a ReLU whose pre-activation is near 0 flips); a wrong gradient, step or weight
+    # moves the update by O(1) of it. The float64 tests above check the math at 1e-9.
+    assert_same_uploads(seq, train_clients(cores, start, 1, mode="batched"), rtol=1e-2)
 
 
 def test_unbatchable_model_falls_back_to_the_loop_bit_for_bit():
