@@ -51,13 +51,16 @@ def run(cfg_name: str, workers: int, rounds: int, seed: int, quiet: bool = True)
     d, n = cfg.num_params, cfg.clients
     rng = np.random.default_rng(seed)
     root = Path(tempfile.mkdtemp(prefix="sfstore-"))
+    ray_dir = None
     group = None
     try:
         shards = None
         t0 = time.perf_counter()
         if workers > 1:
             tls.init_keys(root / "keys", workers=workers)
-            group = WorkerGroup(1, root / "keys", workers, d, ray_dir=tempfile.mkdtemp(prefix="sfray1-"),
+            # short: Ray's sockets live under it (AF_UNIX paths end at 107 bytes)
+            ray_dir = tempfile.mkdtemp(prefix="sfray1-")
+            group = WorkerGroup(1, root / "keys", workers, d, ray_dir=ray_dir,
                                 shard_dirs=[str(root / "shards" / f"w{k}") for k in range(workers)],
                                 offline="dealer")
             shards = WorkerShardFiles(lambda step: step(group), d, workers)
@@ -114,6 +117,8 @@ def run(cfg_name: str, workers: int, rounds: int, seed: int, quiet: bool = True)
         if group is not None:
             group.shutdown()
         shutil.rmtree(root, ignore_errors=True)
+        if ray_dir is not None:
+            shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
