@@ -23,13 +23,15 @@ about ``|S| / 2**64``). Partial sums may wrap harmlessly in the ring. Reveals no
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from . import backend as B
 from .backend import Tensor
 from .sharded import is_sharded
 
-__all__ = ["inner", "inner_raw", "inner_finish", "public_bits"]
+__all__ = ["inner", "inner_rows", "inner_raw", "inner_finish", "public_bits"]
 
 
 def inner(x: Tensor, y: Tensor, dim: int = -1) -> Tensor:
@@ -46,6 +48,30 @@ def inner(x: Tensor, y: Tensor, dim: int = -1) -> Tensor:
     return inner_finish(inner_raw(x, y, dim, e), e)
 
 
+def inner_rows(x: Tensor, row: Callable[[int], torch.Tensor]) -> Tensor:
+    """``inner(x, Y)`` for a (T, m) ``x`` and the public (T, m) ``Y`` whose row k is ``row(k)``,
+    holding one row of Y at a time (round selection's T model steps: 40 MB a round each for a
+    5,000,000-parameter model). Shared ``x``: the rows are read twice, once for the exponent
+    of the whole Y and once for the products, so the result is the batched one's, bit for bit
+    (the same encoding, the same raw sums, one truncation of all T)."""
+    T = int(x.shape[0])
+    if not B.is_shared(x):
+        x = torch.as_tensor(x)
+        return torch.stack([(x[k] * torch.as_tensor(row(k)).to(x.dtype)).sum() for k in range(T)]) if T \
+            else x.sum(-1)
+    if T == 0:
+        return inner(x, torch.zeros(tuple(x.shape), dtype=torch.float64))
+    top = max(_abs_max(row(k)) for k in range(T))
+    e = int(B.public_exponent(top))
+    raws = [inner_raw(x[k], row(k), -1, e) for k in range(T)]
+    return inner_finish(B.stack(raws), e)
+
+
+def _abs_max(y: torch.Tensor) -> torch.Tensor:
+    y = torch.as_tensor(y, dtype=torch.float64)
+    return torch.maximum(y.max(), -y.min()) if y.numel() else torch.zeros((), dtype=torch.float64)
+
+
 def public_bits(y: Tensor) -> int:
     """The fractional bits a public factor is encoded with: one exponent for all of it (the
     products are summed before truncating), so coordinate shards must use the whole's."""
@@ -57,6 +83,8 @@ def public_bits(y: Tensor) -> int:
 def inner_raw(x: Tensor, y: Tensor, dim: int = -1, e: int | None = None) -> Tensor:
     """The untruncated sum of the products (shared ``x``; ``y`` shared, or public encoded with
     ``e`` bits): what adds over coordinate shards before :func:`inner_finish` truncates once."""
+    if is_sharded(x):
+        return x.inner_raw(y, e)
     if e is None:
         if tuple(x.shape) == tuple(y.shape) and len(x.shape) >= 1 and dim in (-1, len(x.shape) - 1) \
                 and x.shape[-1] > 0:

@@ -209,6 +209,17 @@ class ShardVector(_Held):
                                self.space.block)
         return torch.from_numpy(np.concatenate(parts)).to(torch.float64)
 
+    def inner_raw(self, y: Any, e: int | None) -> Any:
+        """The raw inner product with a public m-vector ``y`` encoded with ``e`` bits
+        (``inner_product.inner_rows``: one row of a public factor at a time), its shards' parts
+        added here; ``y`` stays at the workers only while the coordinator holds it."""
+        if e is None or B.is_shared(y):
+            raise TypeError("a shard vector's raw inner product is with a public vector only")
+        y = torch.as_tensor(y, dtype=torch.float64)
+        name = self.space.public(y)
+        parts = self.space.run(steps.inner_program, [self.ref], self.bits, ("rows", [name], (1,)), e)
+        return self.space.gather(parts).reshape(())
+
     def rescale(self, bits: int) -> ShardVector:
         out = self.space.name("r")
         got = self.space.run(steps.rescale_program, out, self.ref, self.bits, bits)[0]

@@ -50,7 +50,7 @@ unlearned, so that all rounds are ranked on one scale).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,15 +60,15 @@ from mpc.exact_truncation import truncate_exact
 from protocols import backend as B
 from protocols.compare import ge, select
 from protocols.division import divide
-from protocols.inner_product import inner
+from protocols.inner_product import inner, inner_rows
 from protocols.sort import ratio_comparator, top_k
 
 from protocols.backend import is_shared, stack, to_compute, weighted_sum
 from .params import Method, StarfishParams
 from .ports import History, candidate_rounds, present_clients, remaining_clients
 
-__all__ = ["num_selected", "selection_keys", "unit_rows", "normalize_keys", "select_rounds", "combine_targets",
-           "starfish_select",
+__all__ = ["num_selected", "selection_keys", "keys_from_steps", "unit_rows", "normalize_keys", "select_rounds",
+           "combine_targets", "starfish_select",
            "choose_method", "default_t_delta", "t_delta_from", "predicted_seconds",
            "T_DELTA_TABLE", "LINK_PROFILES", "DEFAULT_T_DELTA"]
 
@@ -164,15 +164,16 @@ def selection_keys(target_updates: Any, model_deltas: torch.Tensor,
     vector: u is 0 there). Not yet normalised: see :func:`normalize_keys`. ``unit_steps``: the
     rows of ``model_deltas`` are those unit vectors already (:func:`unit_rows`).
     """
-    dm = model_deltas
-    if not is_shared(target_updates):
-        dm = dm.to(torch.as_tensor(target_updates).dtype)
     if unit_steps:
-        unit = dm
-    else:
-        dnorm = dm.norm(dim=-1, keepdim=True)
-        unit = dm / torch.where(dnorm > 0, dnorm, torch.ones_like(dnorm))
-    u = inner(target_updates, unit, dim=-1)
+        return keys_from_steps(target_updates, lambda k: model_deltas[k], target_norms)
+    return keys_from_steps(target_updates, lambda k: _unit(model_deltas[k].to(torch.float64)), target_norms)
+
+
+def keys_from_steps(target_updates: Any, unit_step: Callable[[int], torch.Tensor],
+                    target_norms: Any | None = None) -> tuple[Any, Any]:
+    """:func:`selection_keys` with round k's unit step given by ``unit_step(k)`` (read twice,
+    ``inner_product.inner_rows``): the T x m public steps are never held at once."""
+    u = inner_rows(target_updates, unit_step)
     if target_norms is not None:
         return u, target_norms
     sq = inner(target_updates, target_updates, dim=-1)
@@ -180,6 +181,11 @@ def selection_keys(target_updates: Any, model_deltas: torch.Tensor,
         return u * u.abs(), sq
     square = u * u
     return select(ge(u, 0.0), square, -square), sq
+
+
+def _unit(step: torch.Tensor) -> torch.Tensor:
+    norm = step.norm()
+    return step / norm if norm > 0 else step
 
 
 #: v is compared with 2**j for these j; t = j + 1 for the j with 2**j <= v < 2**(j+1)
@@ -285,12 +291,14 @@ def _target_keys(history: History, targets: Sequence[int], rounds: Sequence[int]
     # aggregated update is M_{i-1} - M_i (up to eta > 0). The paper writes M_i - M_{i-1} while
     # calling it "the aggregated gradients"; with that sign a target aligned with the round would
     # score -1 and the rounds where it mattered *least* would be selected.
-    dm = unit_rows(history, rounds)
+    def unit_step(k: int) -> torch.Tensor:
+        return _unit(-history.model_delta(rounds[k]).reshape(-1).to(torch.float64))
+
     if len(targets) == 1:
         t = targets[0]
         g = stack([to_compute(history.update(i, t)) for i in rounds])
         norms = stack([to_compute(history.norm(i, t)) for i in rounds])
-        u, v = selection_keys(g, dm, norms, unit_steps=True)
+        u, v = keys_from_steps(g, unit_step, norms)
     else:
         per_round = []
         for i in rounds:
@@ -300,20 +308,12 @@ def _target_keys(history: History, targets: Sequence[int], rounds: Sequence[int]
             total = sum(wt)
             per_round.append(combine_targets([to_compute(history.update(i, t)) for t in here],
                                              [x / total for x in wt]))
-        u, v = selection_keys(stack(per_round), dm, None, unit_steps=True)
+        u, v = keys_from_steps(stack(per_round), unit_step, None)
     return normalize_keys(u, v)
 
 
 def unit_rows(history: History, rounds: Sequence[int]) -> torch.Tensor:
     """The global steps M_{i-1} - M_i of ``rounds`` (at least one) as the rows of one (T, m)
-    float64 matrix, each divided by its norm (a zero step stays zero), filled row by row: the
-    coordinator holds this one T x m matrix, not the steps and their unit vectors beside them
-    (a 5,000,000-parameter model: 40 MB a round each)."""
-    out = None
-    for k, i in enumerate(rounds):
-        step = -history.model_delta(i).reshape(-1).to(torch.float64)
-        if out is None:
-            out = torch.empty((len(rounds), step.numel()), dtype=torch.float64)
-        norm = step.norm()
-        out[k] = step / norm if norm > 0 else step
-    return out
+    float64 matrix, each divided by its norm (a zero step stays zero): what round selection
+    reads one row at a time (:func:`keys_from_steps`)."""
+    return torch.stack([_unit(-history.model_delta(i).reshape(-1).to(torch.float64)) for i in rounds])

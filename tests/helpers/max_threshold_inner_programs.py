@@ -73,3 +73,39 @@ def max_empty_batch(party, shape: tuple):
 def inner_empty_batch(party, shape: tuple):
     x = crypten.cryptensor(torch.zeros(shape, dtype=torch.float64), src=0)
     return tuple(inner(x, x).shape)
+
+
+def inner_rows_ways(party, x, Y, k: int) -> dict:
+    """``inner_rows`` of party 0's shared ``x`` (T, m) with the public rows of ``Y``: in one
+    session, and with ``x``'s rows on ``k`` coordinate slices (``tests.helpers.shard_slices``:
+    the workers' path, ``ShardVector.inner_raw``); each opened as its 2**-16 encodings. Also
+    how many rows of Y the slices held at most at once, and what they hold after."""
+    from protocols import backend as B
+    from protocols.inner_product import inner_rows
+    from protocols.starfish.on_shards import ShardSpace
+    from tests.helpers.shard_slices import SliceShards
+
+    def encodings(v) -> list[int]:
+        assert B.bits_of(v) == 16
+        return [int(a) for a in v.reveal().reshape(-1)]   # the ring values (a float32 decode rounds)
+
+    xs = crypten.cryptensor(torch.as_tensor(x, dtype=torch.float64), src=0)
+    Yt = torch.as_tensor(Y, dtype=torch.float64)
+    out = {"whole": encodings(inner_rows(xs, lambda r: Yt[r]))}
+    if k and len(x):
+        slices = SliceShards(party, Yt.shape[-1], k)
+        space = ShardSpace(slices, Yt.shape[-1])
+        rows = B.stack([space.put(xs[r]) for r in range(len(x))])
+        peak = [0]
+
+        def row(r: int) -> torch.Tensor:
+            public = sum(n.startswith("p") for n in slices.slots[0].shares)
+            peak[0] = max(peak[0], public)
+            return Yt[r].clone()     # a fresh tensor, as round selection's unit steps are
+
+        out["sharded"] = encodings(inner_rows(rows, row))
+        out["public_rows_held"] = peak[0]
+        del rows
+        space.close()
+        out["held_after"] = slices.held()
+    return out

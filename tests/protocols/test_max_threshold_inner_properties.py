@@ -371,3 +371,39 @@ def test_public_bits_is_the_exponent_of_the_largest_magnitude(values, rows):
     y = torch.tensor(values * rows, dtype=torch.float64).reshape(rows, -1) if values else torch.zeros(rows, 0)
     assert public_bits(y) == want
     assert public_bits(y.reshape(-1)) == want
+
+
+@st.composite
+def row_cases(draw):
+    """x (T, m) on any part of the grid the sum allows; public rows Y of any magnitude (unit
+    steps, tiny model steps, zero rows, a mixture): one exponent for all of Y."""
+    T, m = draw(st.integers(0, 4)), draw(st.integers(1, 12))
+    x = draw(fixed_arrays((T, m), 1 << 24))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    scales = draw(st.lists(st.sampled_from([0.0, 1e-4, 0.3, 1.0, 37.0]), min_size=T, max_size=T))
+    Y = np.stack([rng.standard_normal(m) * s for s in scales]) if T else np.zeros((0, m))
+    return {"x": x, "Y": Y, "k": draw(st.integers(1, m))}
+
+
+@given(case=row_cases())
+def test_inner_rows_is_the_batched_inner_one_public_row_at_a_time(pair, case):
+    """``inner_rows`` (round selection's keys with one model step held at a time) against the
+    exact sums of the encodings, with Y encoded at the exponent of the *whole* Y (as the
+    batched ``inner`` encodes it): floor(S / 2**e) or one unit more, per row; the same on k
+    coordinate slices (the workers' path), which keep at most one public row at a time and
+    nothing after; the plaintext twin equals numpy's row sums."""
+    x, Y, k = case["x"], case["Y"], case["k"]
+    got = pair.call(mp.inner_rows_ways, x, Y, k)[0]
+    e = public_exponent(Y)
+    ye = np.round(Y * 2.0 ** e).astype(np.int64).astype(object)
+    S = (enc(x).astype(object) * ye).sum(axis=-1) if len(x) else np.zeros(0, dtype=object)
+    floor = [int(s) >> e for s in S]
+    event(f"inner_rows e = {e}")
+    for way in ("whole", "sharded") if len(x) else ("whole",):
+        assert len(got[way]) == len(floor)
+        assert all(g - f in (0, 1) for g, f in zip(got[way], floor)), (way, got[way], floor)
+    if len(x):
+        assert got["public_rows_held"] <= 1 and got["held_after"] == 0
+    from protocols.inner_product import inner_rows
+    plain = inner_rows(torch.as_tensor(x), lambda r: torch.as_tensor(Y[r])).numpy()
+    np.testing.assert_allclose(plain, (x * Y).sum(axis=-1), rtol=1e-12, atol=1e-300)
