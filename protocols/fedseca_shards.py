@@ -76,9 +76,6 @@ def _added(party, parts: Sequence[tuple[np.ndarray, int]]) -> Any:
     return party.wrap_share(total, precision=parts[0][1])
 
 
-def _pick2(x: Any, kept: list[int]) -> Any:
-    idx = torch.tensor(kept, dtype=torch.long)
-    return x.index_select(0, idx).index_select(1, idx)
 
 
 def decide(party, parts: Sequence[list], lam: Any, D: int, gamma: float) -> tuple[torch.Tensor, list[int], Any, Any]:
@@ -94,7 +91,7 @@ def decide(party, parts: Sequence[list], lam: Any, D: int, gamma: float) -> tupl
     check_crise(len(kept), D)
     idx = torch.tensor(kept, dtype=torch.long)
     with party.meter("crise"):
-        w = crise_weights(_pick2(omega, kept))
+        w = crise_weights(omega.index_select(0, idx).index_select(1, idx))
     with party.meter("clip"):
         c = clip_factors(N.index_select(0, idx))
     return ok, kept, w, c

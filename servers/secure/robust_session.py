@@ -72,10 +72,11 @@ class VoteWorkers(Protocol):
                    lam: float) -> tuple[np.ndarray, list[dict]]:
         """The round's opened vote, its shards voted by the worker pairs; the pairs' meters."""
 
-    def fedseca_round(self, store: ShareStore, r: int, participants: Sequence[int], party: Any, ticket: bytes,
-                      gamma: float) -> tuple[list[bool], np.ndarray | None, list[dict]]:
-        """FedSECA's checked round with its coordinate-wise work on the worker pairs' shards: the
-        verdict per participant, the opened aggregate of the kept (None if none), the pairs' meters."""
+    def fedseca_round(self, store: ShareStore, r: int, participants: Sequence[int], thresholds: Sequence[np.ndarray],
+                      party: Any, ticket: bytes, gamma: float) -> tuple[list[bool], np.ndarray | None, list[dict]]:
+        """FedSECA's checked round with its coordinate-wise work on the worker pairs' shards
+        (``thresholds``: this server's shares of the claimed lambda_k): the verdict per
+        participant, the opened aggregate of the kept (None if none), the pairs' meters."""
 
 
 def aggregate_digest(vector: np.ndarray) -> str:
@@ -95,8 +96,7 @@ def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, ro
         raise ValueError(f"{fl.aggregator!r} is not a robust aggregator")
     if not parts:
         raise ValueError("a robust aggregation needs at least one participant")
-    if fl.aggregator == "fedseca":
-        _staged_thresholds(store, round_no, parts)
+    lams = _staged_thresholds(store, round_no, parts) if fl.aggregator == "fedseca" else []
     party = open_round_session(rank, cfg, round_no, "aggregate", parts, mpc_listener)
     if workers is not None:
         try:
@@ -106,7 +106,8 @@ def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, ro
                                                    brace_vote_lambda(fl, len(parts)))
                 ok = [True] * len(parts)
             else:
-                ok, vector, pairs = workers.fedseca_round(store, round_no, parts, party, ticket, fl.fedseca_gamma)
+                ok, vector, pairs = workers.fedseca_round(store, round_no, parts, lams, party, ticket,
+                                                             fl.fedseca_gamma)
             meters = with_pairs(party.meters(), pairs)
         finally:
             party.close()
@@ -120,7 +121,7 @@ def aggregate_round_uploads(rank: int, cfg: ServiceConfig, store: ShareStore, ro
         plan_key = (f"aggregate:{fl.aggregator}:{len(parts)}:{store.dim}:{prec}:"
                     f"{fl.fedseca_gamma}:{brace_vote_lambda(fl, len(parts))}")
         with dealer_plans.fetched_ahead(party, plan_key, store.root / dealer_plans.PLANS_DIR):
-            kept, vector = _aggregate(party, fl, store, round_no, parts, rows, prec)
+            kept, vector = _aggregate(party, fl, parts, rows, lams, prec)
         meters = party.meters()
         served = party.served_ahead
     finally:
@@ -157,12 +158,13 @@ def with_pairs(meters: dict, pairs: Sequence[dict]) -> dict:
     return dict(meters, total=total, pairs=list(pairs))
 
 
-def _aggregate(party, fl, store: ShareStore, round_no: int, parts: list[int], rows: list,
+def _aggregate(party, fl, parts: list[int], rows: list, thresholds: list[np.ndarray],
                prec: int) -> tuple[list[int], np.ndarray | None]:
-    """The rule on the shares: (the kept participants' positions, the opened vector or None)."""
+    """The rule on the shares: (the kept participants' positions, the opened vector or None);
+    ``thresholds``: this server's shares of FedSECA's claimed lambda_k (``_staged_thresholds``)."""
     kept = list(range(len(parts)))
     if fl.aggregator == "fedseca":
-        lams = [party.wrap_share(t.reshape(1), precision=prec) for t in _staged_thresholds(store, round_no, parts)]
+        lams = [party.wrap_share(t.reshape(1), precision=prec) for t in thresholds]
         with party.meter("aggregate"):
             ok, agg = fedseca_checked(stack(rows), stack(lams).reshape(-1),
                                       gamma=fl.fedseca_gamma, meter=party.meter)

@@ -272,14 +272,15 @@ class ServerWorkers:
             return vote, meters
         return self.on_workers(run)
 
-    def fedseca_round(self, store: ShareStore, r: int, participants: Sequence[int], party: Any, ticket: bytes,
-                      gamma: float) -> tuple[list[bool], np.ndarray | None, list[dict]]:
+    def fedseca_round(self, store: ShareStore, r: int, participants: Sequence[int], thresholds: Sequence[np.ndarray],
+                      party: Any, ticket: bytes, gamma: float) -> tuple[list[bool], np.ndarray | None, list[dict]]:
         """Round ``r``'s FedSECA on the participants' staged uploads, its coordinate-wise work on the
         shards (``protocols.fedseca_shards``): the pairs' sessions ``ticket`` met through ``party``,
-        the coordinators' small steps in ``party``. The verdict per participant, the opened
+        the coordinators' small steps in ``party``; ``thresholds``: this server's shares of the
+        claimed lambda_k, one per participant (as the round's session checked them). The verdict per participant, the opened
         aggregate of the kept (None if none), the pairs' meters."""
         names = [f"round{r}/fedseca/client{j}" for j in participants]
-        lam = np.array([int(store.staged_threshold(r, j).reshape(-1)[0]) for j in participants], np.int64)
+        lam = np.array([int(np.asarray(t).reshape(-1)[0]) for t in thresholds], np.int64)
 
         def run(group: WorkerGroup) -> tuple[list[bool], np.ndarray | None, list[dict]]:
             self._meet(group, party, ticket)
