@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from common.offline_mode import OfflineMode
-from mpc import table_compare
+from mpc import reused_masks, table_compare
 from protocols import backend as B
 from protocols.backend import from_share as wrap, share_of
 from protocols.inner_product import inner_raw
@@ -50,6 +50,45 @@ def _stacked(worker: Any, refs: Sequence[Any]) -> np.ndarray:
     if isinstance(refs, list):
         return np.stack([_stacked(worker, r) for r in refs])
     return _array(worker, refs)
+
+
+def _masked(worker: Any, refs: Sequence[Ref]) -> list[reused_masks.MaskedShare] | None:
+    """Dealer mode: each of the columns ``refs`` with its reused Beaver mask opened
+    (``mpc.reused_masks``, as ``PairBuffers`` keeps them in one process): opened at a column's
+    first use here, one round for all missing, and kept beside it at the worker as
+    ``<name>#mask<row>...``, which goes when the column's name is dropped. So an estimate's
+    ``Y z`` opens only z's mask (a few values per client), not Y's m x B again. None where the
+    pair's session has no reusable masks (two-party mode: an ordinary product)."""
+    if not reused_masks.supported():
+        return None
+    keys = [f"{name}#mask{'' if row is None else row}" for name, row in refs]
+    missing = [k for k, key in enumerate(keys) if not worker.has(key + "e")]
+    opened = reused_masks.open_masks([torch.from_numpy(np.ascontiguousarray(_array(worker, refs[k])))
+                                      for k in missing])
+    for k, m in zip(missing, opened):
+        worker.put(keys[k] + "e", m.e.numpy())
+        worker.put(keys[k] + "a", m.a.numpy())
+        worker.put(keys[k] + "n", np.array([m.index, int(m.a_norm2.reshape(-1)[0])], dtype=np.int64))
+    out = []
+    for key in keys:
+        index, a_norm2 = (int(v) for v in worker.share(key + "n"))
+        out.append(reused_masks.MaskedShare(index, torch.from_numpy(worker.share(key + "e")),
+                                            torch.from_numpy(worker.share(key + "a")),
+                                            torch.tensor(a_norm2, dtype=torch.long)))
+    return out
+
+
+def _column_masks(worker: Any, y_refs: Sequence[Any]) -> list[list[reused_masks.MaskedShare]] | None:
+    """Per client row of ``y_refs`` (``("cols", [...])`` each), its columns' masks (``_masked``),
+    or None (no reusable masks, or rows of unequal column counts, which one product cannot take)."""
+    if not y_refs or any(not (isinstance(r, tuple) and r and r[0] == "cols") for r in y_refs) \
+            or len({len(r[1]) for r in y_refs}) != 1:
+        return None
+    flat = _masked(worker, [c for r in y_refs for c in r[1]])
+    if flat is None:
+        return None
+    b = len(y_refs[0][1])
+    return [flat[k * b:(k + 1) * b] for k in range(len(y_refs))]
 
 
 def _public(worker: Any, name: str) -> torch.Tensor:
@@ -142,9 +181,11 @@ def hvp_apply_program(party, worker, out: str, y_refs: list, y_bits: int, stored
     v = _public(worker, v_name)
     est, bits = None, None
     with party.meter("UE"):
+        masks = _column_masks(worker, y_refs)
         for lo, hi in row_chunks(len(y_refs), v.numel() * len(s_names[0]), batch_values(party, block)):
             hv = hvp_apply(_public_columns(worker, s_names[lo:hi]), wrap(_stacked(worker, y_refs[lo:hi]), y_bits), v,
-                           HvpCoefficients(*(wrap(a[lo:hi], b) for a, b in coef)))
+                           HvpCoefficients(*(wrap(a[lo:hi], b) for a, b in coef)),
+                           None if masks is None else masks[lo:hi])
             part = hv + B.lift(wrap(_stacked(worker, stored[lo:hi]), stored_bits), B.bits_of(hv))
             if est is None:
                 est = np.empty((len(y_refs), v.numel()), dtype=np.int64)
@@ -209,7 +250,10 @@ def inner_program(party, worker, refs: list, bits: int, other: Any, e: int | Non
 def curvature_program(party, worker, refs: list, bits: int, s_name: str) -> tuple:
     """The curvature test's sums on this shard (``pair_buffers.curvature_sums``)."""
     with party.meter("pairs"):
-        ss, u, yy = curvature_sums(_public(worker, s_name), [wrap(_array(worker, r), bits) for r in refs])
+        # each new column's mask is opened here, where the test needs y^T y anyway (the same
+        # bytes as a Beaver product's opening), and then serves every estimate's product
+        ss, u, yy = curvature_sums(_public(worker, s_name), [wrap(_array(worker, r), bits) for r in refs],
+                                   _masked(worker, refs))
     return ss, share_of(u), share_of(yy)
 
 

@@ -165,15 +165,20 @@ class ShardWorker:
         return arr.nbytes
 
     def drop(self, names: list[str]) -> int:
-        """Forget the named shares (zeroed first: erasure must not leave them in freed memory)."""
+        """Forget the named shares and what a program kept beside each (``name#...``: its reused
+        Beaver mask, ``shard_steps``), zeroed first: erasure must not leave them in freed memory."""
         gone = 0
         for n in names:
-            arr = self._shares.pop(n, None)
-            if arr is not None:
-                arr.fill(0)
-                self._held -= arr.nbytes
-                gone += 1
+            for key in [n, *(k for k in self._shares if k.startswith(n + "#"))]:
+                arr = self._shares.pop(key, None)
+                if arr is not None:
+                    arr.fill(0)
+                    self._held -= arr.nbytes
+                    gone += key == n
         return gone
+
+    def has(self, name: str) -> bool:
+        return name in self._shares
 
     def share(self, name: str) -> np.ndarray:
         try:

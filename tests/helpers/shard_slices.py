@@ -27,8 +27,15 @@ class Slot:
         self.shares[name] = np.array(arr, dtype=np.int64, copy=True)
         return self.shares[name].nbytes
 
+    def has(self, name: str) -> bool:
+        return name in self.shares
+
     def drop(self, names: list[str]) -> int:
-        return sum(self.shares.pop(n, None) is not None for n in names)
+        gone = 0
+        for n in names:
+            for key in [n, *(k for k in self.shares if k.startswith(n + "#"))]:
+                gone += self.shares.pop(key, None) is not None and key == n
+        return gone
 
 
 class SliceShards:

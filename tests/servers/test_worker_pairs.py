@@ -226,12 +226,14 @@ def test_a_server_with_workers_and_no_worker_certificates_refuses_to_start_in_on
     assert "starfish keys issue --name server0-w0" in lines[0] and "set workers = 1" in lines[0], lines
 
 
-@given(ops=st.lists(st.tuples(st.sampled_from(["put", "drop"]), st.integers(0, 3), st.integers(0, 40)),
-                    max_size=30))
+@given(ops=st.lists(st.tuples(st.sampled_from(["put", "beside", "drop"]), st.sampled_from([0, 1, 10, 11]),
+                              st.integers(0, 40)), max_size=30))
 def test_a_worker_zeroes_every_share_it_lets_go_and_counts_what_it_holds(tmp_path_factory, ops):
-    """``put`` (a new name, or a name again), ``drop``: every share the worker lets go of is
-    zeroed in place (erasure must not leave it in freed memory), and ``state`` reports the bytes
-    held now and at most, against a dictionary kept beside it."""
+    """``put`` (a new name, or a name again), a share kept beside a name (``v1#mask``, as a
+    column's reused mask is), ``drop``: every share the worker lets go of, the name's and those
+    beside it, is zeroed in place (erasure must not leave it in freed memory), no other name's
+    goes (``v1`` never takes ``v10``'s), and ``state`` reports the shares and bytes held now and at
+    most, against a dictionary kept beside it."""
     from servers.workers.shard_worker import ShardWorker
 
     keys = tmp_path_factory.getbasetemp() / "worker-held-keys"
@@ -244,18 +246,23 @@ def test_a_worker_zeroes_every_share_it_lets_go_and_counts_what_it_holds(tmp_pat
         peak = 0
         for op, k, size in ops:
             name = f"v{k}"
-            if op == "put":
+            if op in ("put", "beside"):
+                if op == "beside":
+                    name += "#mask"
                 before = w._shares.get(name)
                 w.put(name, np.full(size, k + 1, dtype=np.int64))
                 if before is not None:
                     assert not before.any()
                 model[name] = 8 * size
             else:
-                before = w._shares.get(name)
+                gone = [n for n in model if n == name or n.startswith(name + "#")]
+                before = [w._shares[n] for n in gone]
                 assert w.drop([name]) == (1 if name in model else 0)
-                if before is not None:
-                    assert not before.any()
-                model.pop(name, None)
+                assert not any(a.any() for a in before)
+                assert not any(w.has(n) for n in gone)
+                for n in gone:
+                    model.pop(n)
+            assert all(w.has(n) for n in model)
             peak = max(peak, sum(model.values()))
             st_ = w.state()
             assert (st_["shares"], st_["bytes"], st_["peak_bytes"]) == (len(model), sum(model.values()), peak)

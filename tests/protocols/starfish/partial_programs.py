@@ -201,3 +201,51 @@ def shard_exceed_counts(party, x_shares: tuple, d_shares: tuple, k: int, block: 
     counts = slices.run(steps.counts_program, refs, 16, (d, 16), block)
     total = np.sum(np.stack(counts), axis=0, dtype=np.int64)
     return steps.wrap(total, 0).get_plain_text().numpy() if total.size else total
+
+
+def estimates_on_slices(party, Y: np.ndarray, S: np.ndarray, v: np.ndarray, stored: np.ndarray, coef: tuple,
+                        k: int) -> dict:
+    """UE's products (``shard_steps.hvp_apply_program``) on ``k`` coordinate slices, twice with the
+    same Y (as a replay's consecutive estimates), beside the unsharded ``hvp_apply`` with an
+    ordinary product; each opened as ring values (2F bits, no truncation anywhere). Also each
+    sharded call's online bytes, and the shares the slices keep once every name is dropped."""
+    from mpc.crypten_compat import crypten
+    from protocols import backend as B
+    from protocols.starfish import shard_steps as steps
+    from protocols.starfish.update_estimation import HvpCoefficients, hvp_apply
+    from tests.helpers.shard_slices import SliceShards
+
+    def share(x):
+        return crypten.cryptensor(torch.as_tensor(x, dtype=torch.float64), src=0)
+
+    def online() -> int:
+        t = party.meters()["total"]
+        return t.get("online_bytes_sent", 0) + t.get("online_bytes_received", 0)
+
+    n, m, b = Y.shape
+    slices = SliceShards(party, m, k)
+    Ys, gs = share(Y), share(stored)
+    for j in range(n):
+        for c in range(b):
+            slices.scatter(f"y{j}.{c}", Ys[j, :, c].share.numpy())
+            slices.scatter(f"s{j}.{c}", np.ascontiguousarray(S[j, :, c], dtype=np.float64).view(np.int64))
+    slices.scatter("v", np.ascontiguousarray(v, dtype=np.float64).view(np.int64))
+    slices.scatter("g", gs.share.numpy())
+    cs = HvpCoefficients(*(share(x) for x in coef))
+    y_refs = [("cols", [(f"y{j}.{c}", None) for c in range(b)]) for j in range(n)]
+    s_names = [[f"s{j}.{c}" for c in range(b)] for j in range(n)]
+    out = {"bytes": [], "sharded": []}
+    for r in range(2):
+        before = online()
+        bits = slices.run(steps.hvp_apply_program, f"e{r}", y_refs, B.bits_of(Ys), [("g", j) for j in range(n)],
+                          B.bits_of(gs), [steps.share_of(x) for x in (cs.sigma, cs.sigma_z1, cs.z2)], s_names,
+                          "v")[0]
+        out["bytes"].append(online() - before)
+        out["sharded"].append(np.concatenate([steps.wrap(slot.share(f"e{r}"), bits).reveal().numpy()
+                                              for slot in slices.slots], axis=-1))
+    hv = hvp_apply(torch.as_tensor(S), Ys, torch.as_tensor(v), cs)
+    out["whole"] = (hv + B.lift(gs, B.bits_of(hv))).reveal().numpy()
+    out["masks_kept"] = sum(key.startswith("y") and "#mask" in key for key in slices.slots[0].shares)
+    slices.drop([f"y{j}.{c}" for j in range(n) for c in range(b)] + ["e0", "e1"])
+    out["y_left"] = sum(key.startswith("y") for slot in slices.slots for key in slot.shares)
+    return out

@@ -77,3 +77,30 @@ def test_threshold_counts_on_shards_add_to_the_rows_hits(pair_in_each_mode, rows
         assert out.shape == want.shape
         np.testing.assert_array_equal(out >= 1, want >= 1)
         assert np.all(out <= want) and np.all(out >= 0)
+
+
+@settings(max_examples=6)
+@given(n=st.integers(1, 3), m=st.integers(2, 30), b=st.integers(1, 3), k=st.integers(1, 4),
+       seed=st.integers(0, 2**32 - 1))
+def test_estimates_on_shards_reuse_each_columns_mask_in_dealer_mode(pair, n, m, b, k, seed):
+    """Dealer mode: a worker opens each L-BFGS column's Beaver mask once and keeps it beside the
+    column (``shard_steps._masked``), so an estimate's Y z opens only z's mask. Oracles: the
+    sharded estimates are the unsharded ``hvp_apply``'s ring values exactly (an ordinary Beaver
+    product: every product is exact, nothing is truncated), and within the fixed-point grid of
+    numpy's float64 estimate; the second call moves at most 16 bytes per client and column per
+    slice (z - b each way) and one round's framing (measured: 9 bytes each way), where one
+    ordinary product opens 16 m b per client; a column's mask goes with its name."""
+    k = min(k, m)
+    rng = np.random.default_rng(seed)
+    Y, S = rng.normal(size=(n, m, b)) * 0.5, rng.normal(size=(n, m, b))
+    v, stored = rng.normal(size=m), rng.normal(size=(n, m)) * 0.1
+    coef = (rng.normal(size=(n, 1, 1)), rng.normal(size=(n, b, 1)), rng.normal(size=(n, b, 1)))
+    got = pair.call(pp.estimates_on_slices, Y, S, v, stored, coef, k)[0]
+    for est in got["sharded"]:
+        np.testing.assert_array_equal(est, got["whole"])
+    want = (coef[0] * v[None, :, None] - S @ coef[1] - Y @ coef[2])[..., 0] + stored
+    assert np.abs(got["whole"] / 2.0 ** 32 - want).max() < 1e-3 * (1 + np.abs(want).max())
+    assert got["bytes"][1] <= k * (16 * n * b + 64), got["bytes"]
+    assert got["bytes"][0] - got["bytes"][1] >= 16 * n * b * m, got["bytes"]   # only the first opened Y's masks
+    assert got["masks_kept"] == 3 * n * b
+    assert got["y_left"] == 0
