@@ -21,8 +21,8 @@ from .comparator_networks import negative as _neg
 from .fedseca_thresholds import (Meter, check_gamma as _check_gamma, no_meter as _no_meter,
                                  prepare as _prepare, quantile_thresholds)
 
-__all__ = ["secure_quantile_thresholds", "quantile_step_bits", "QUANTILE_STEP_BITS",
-           "QUANTILE_LARGE_ENTRIES"]
+__all__ = ["secure_quantile_thresholds", "quantile_step_bits", "quantile_digits", "quantile_magnitudes",
+           "quantile_below", "quantile_digit", "QUANTILE_STEP_BITS", "QUANTILE_LARGE_ENTRIES"]
 
 
 #: bits of the secure quantile's search: an admissible |g| is below 2**14, a ring integer below 2**30
@@ -74,20 +74,51 @@ def secure_quantile_thresholds(G: Tensor, gamma: float = FEDSECA_GAMMA,
         if D == 0:
             return B.share_public(torch.zeros(K, dtype=torch.float64))
         need = D - quantile_rank(D, gamma)                     # #{|g| >= lambda} >= need
-        ring = B.relabel(G, 0)
-        absg = (1 - _neg(ring) * 2) * ring                     # |g| as ring integers, < 2**30
+        absg = quantile_magnitudes(G)
         lam = None                                             # ring integers, scale 1
-        top = _QUANTILE_BITS
-        while top > 0:
-            b = max(0, top - r)                                # this digit: bits b .. top-1
-            n = (1 << (top - b)) - 1
-            offs = torch.arange(1, n + 1, dtype=torch.long) << b
-            base = absg.unsqueeze(0) - offs.reshape(n, 1, 1)   # |g| - i 2**b, (n, K, D)
-            if lam is not None:
-                base = base - lam.reshape(1, K, 1)
-            at_least = D - _neg(base).sum(2)                   # #{|g| >= cand_i}, (n, K) in 0..D
-            digit = (1 - _neg(at_least - need)).sum(0)         # candidates that reach the count
-            step = digit * (1 << b)
+        for b, n in quantile_digits(r):
+            step = quantile_digit(quantile_below(absg, lam, b, n), D, need, b)
             lam = step if lam is None else lam + step
-            top = b
         return B.relabel(lam, B.bits_of(G))
+
+
+# The search split where it sums over coordinates (issue 30: on coordinate shards each worker pair
+# runs ``quantile_magnitudes`` and ``quantile_below`` on its coordinates, the coordinators add the
+# shards' shares of the counts and run ``quantile_digit``); the lines are those of the whole search.
+
+def quantile_digits(step_bits: int) -> list[tuple[int, int]]:
+    """The search's digits, from the top: (b, n) decides bits b .. b + r - 1 with n = 2**r - 1
+    candidates (the last digit may be narrower)."""
+    out, top = [], _QUANTILE_BITS
+    while top > 0:
+        b = max(0, top - step_bits)
+        out.append((b, (1 << (top - b)) - 1))
+        top = b
+    return out
+
+
+def quantile_magnitudes(G: Tensor) -> Tensor:
+    """|g| of the shared (K, D) rows as ring integers (scale 1, below 2**30 for admissible rows):
+    one call for [g < 0], one product."""
+    ring = B.relabel(G, 0)
+    return (1 - _neg(ring) * 2) * ring
+
+
+def quantile_below(absg: Tensor, lam: Tensor | None, b: int, n: int) -> Tensor:
+    """Per candidate lambda + i 2**b (i = 1..n) and row: #{j: |g^j| < candidate} over the
+    coordinates at hand, (n, K) shared: one bounded sign-test call on n K D values."""
+    K = int(absg.shape[0])
+    offs = torch.arange(1, n + 1, dtype=torch.long) << b
+    base = absg.unsqueeze(0) - offs.reshape(n, 1, 1)        # |g| - i 2**b, (n, K, D)
+    if lam is not None:
+        base = base - lam.reshape(1, K, 1)
+    return _neg(base).sum(2)
+
+
+def quantile_digit(below: Tensor, D: int, need: int, b: int) -> Tensor:
+    """This digit's step of lambda (K, ring integers) from the counts below the candidates over
+    all D coordinates: the number of candidates with #{|g| >= candidate} >= need, times 2**b
+    (one bounded sign-test call on n K values)."""
+    at_least = D - below                                    # #{|g| >= cand_i}, (n, K) in 0..D
+    digit = (1 - _neg(at_least - need)).sum(0)              # candidates that reach the count
+    return digit * (1 << b)
