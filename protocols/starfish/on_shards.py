@@ -39,8 +39,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.robust_rules import quantile_rank
 from protocols import backend as B
+from protocols.fedseca_shards import fedseca_on_shards
 from protocols.inner_product import inner_finish, public_bits
+from protocols.secure_quantile import quantile_digit, quantile_digits, quantile_step_bits
 from protocols.sharded import ShardedValue, ShardExecutor
 from protocols.threshold import flags_from_counts
 
@@ -143,6 +146,17 @@ class ShardSpace:
         return steps.wrap(total, bits)
 
 
+class _Coordinators:
+    """What ``fedseca_shards`` asks of the coordinators' session, inside Stage II: its meter, and
+    shares read in the session Stage II runs in (the current one, as ``ShardSpace.gather``)."""
+
+    def __init__(self, meter: Any) -> None:
+        self.meter = meter
+
+    def wrap_share(self, share: np.ndarray, precision: int) -> Any:
+        return steps.wrap(share, precision)
+
+
 class _Held(ShardedValue):
     """A value the workers keep under names; the names are released with the value."""
 
@@ -219,6 +233,34 @@ class ShardVector(_Held):
         name = self.space.public(y)
         parts = self.space.run(steps.inner_program, [self.ref], self.bits, ("rows", [name], (1,)), e)
         return self.space.gather(parts).reshape(())
+
+    def fedseca_with(self, rows: list, gamma: float, meter: Any) -> torch.Tensor:
+        """A replayed FedSECA round over ``rows`` (``robust_replay``): each row's lambda_k, the
+        gamma-quantile of its |g|, by the secure search with each digit's counts summed over the
+        shards (``quantile_below`` per pair, ``quantile_digit`` here), then FedSECA's round on the
+        shards with those thresholds (``fedseca_shards``: every row passes its check, since each
+        lambda_k is the exact order statistic of the same values), opened: g_tilde, float64."""
+        sp = self.space
+        K, D = len(rows), sp.dim
+        out = sp.name("f")
+        bits = sp.run(steps.fedseca_rows_program, out, [r.ref for r in rows], [r.bits for r in rows])[0]
+        sp.hold(out)
+        try:
+            need = D - quantile_rank(D, gamma)
+            lam = None
+            with meter("quantile"):
+                for b, n in quantile_digits(quantile_step_bits(K, D)):
+                    parts = sp.run(steps.quantile_below_program, f"{out}#abs",
+                                   None if lam is None else steps.share_of(lam), b, n)
+                    step = quantile_digit(sp.gather(parts), D, need, b)
+                    lam = step if lam is None else lam + step
+            ok, agg = fedseca_on_shards(sp.ex, _Coordinators(meter), [f"{out}#{k}" for k in range(K)],
+                                        steps.share_of(lam)[0], D, gamma=gamma, precision=bits, tag=f"{out}#round")
+        finally:
+            sp.release(out)
+        if agg is None or not bool(torch.as_tensor(ok).all()):
+            raise RuntimeError(f"a replayed FedSECA round's computed thresholds failed its check: {ok.tolist()}")
+        return torch.from_numpy(agg).to(torch.float64)
 
     def rescale(self, bits: int) -> ShardVector:
         out = self.space.name("r")

@@ -148,12 +148,13 @@ class RuleCombine:
             self.buffer = None
             return reveal(weighted_sum(rows, weights)).to(torch.float64)
         if any(is_sharded(r) for r in rows):
-            return self._on_shards(rule, rows)
-        with self.meter("rescale"):
-            G = rows_at_frac_bits(rows)
-        opened = self.open_rule(rule, G, t)
-        if self.observe is not None:
-            self.observe(t, rule, G, opened)
+            opened = self._on_shards(rule, rows)
+        else:
+            with self.meter("rescale"):
+                G = rows_at_frac_bits(rows)
+            opened = self.open_rule(rule, G, t)
+            if self.observe is not None:
+                self.observe(t, rule, G, opened)
         if rule.aggregator == "brace-sign":
             return rule.step * opened
         prev = None if (rule.restart or last != "fedseca") else self.buffer
@@ -161,16 +162,16 @@ class RuleCombine:
         return self.buffer
 
     def _on_shards(self, rule: RoundRule, rows: list) -> torch.Tensor:
-        """Rows on coordinate shards (``protocols.starfish.on_shards``): BRACE's vote is
-        coordinate-wise, so each worker pair votes on its shard and opens it (the direction the
-        replay opens anyway); nothing crosses shards. ``observe`` is not called: the rows stay at
-        the workers. FedSECA's thresholds and CRISE need sums over all coordinates, which are not
-        written for shards: such a history is replayed at the coordinators
-        (``servers.secure.unlearning_jobs.on_shards``)."""
-        if rule.aggregator != "brace-sign" or not all(is_sharded(r) for r in rows):
-            raise ValueError(f"a {rule.aggregator} round cannot be replayed on coordinate shards: "
-                             "replay its history at the coordinators")
-        return rule.step * rows[0].brace_with(rows, rule.vote_lambda(len(rows)))
+        """What a round of rows on coordinate shards (``protocols.starfish.on_shards``) opens, as
+        :meth:`open_rule`: BRACE's vote is coordinate-wise, so each worker pair votes on its shard
+        and opens it; FedSECA's thresholds, CRISE's S S^T and the clip norms sum over all
+        coordinates, so each pair returns its shares of its shard's parts and the coordinators add
+        them (``ShardVector.fedseca_with``). ``observe`` is not called: the rows stay at the workers."""
+        if not all(is_sharded(r) for r in rows):
+            raise ValueError("a round's rows are all on coordinate shards or none is")
+        if rule.aggregator == "brace-sign":
+            return rows[0].brace_with(rows, rule.vote_lambda(len(rows)))
+        return rows[0].fedseca_with(rows, rule.gamma, self.meter)
 
     def open_rule(self, rule: RoundRule, G: Any, t: int) -> torch.Tensor:
         """What round ``t`` opens: BRACE's vote, FedSECA's g_tilde (float64, length D)."""

@@ -22,6 +22,7 @@ from protocols import backend as B
 from protocols.backend import from_share as wrap, share_of
 from protocols.inner_product import inner_raw
 from protocols.robust_aggregation import brace_sign
+from protocols.secure_quantile import quantile_below, quantile_magnitudes
 from protocols.threshold import exceed_counts_blocked
 
 from .pair_buffers import curvature_sums
@@ -30,6 +31,7 @@ from .update_estimation import HvpCoefficients, hvp_apply, hvp_sums
 
 __all__ = ["Ref", "share_of", "wrap", "sub_program", "weighted_program", "rescale_program", "open_program",
            "hvp_sums_program", "hvp_apply_program", "counts_program", "inner_program", "curvature_program", "brace_program",
+           "fedseca_rows_program", "quantile_below_program",
            "BLOCK", "TWO_PARTY_BLOCK", "block_for", "batch_values", "row_chunks"]
 
 #: (name, row): the named share at a worker, or its row ``row``
@@ -271,3 +273,28 @@ def brace_program(party, worker, refs: list, bits: list[int], lam: float, block:
             G = rows_at_frac_bits([wrap(_array(worker, r)[lo:hi], b) for r, b in zip(refs, bits)])
             out[lo:hi] = B.reveal(brace_sign(G, lam=lam, meter=party.meter)).numpy()
     return out
+
+
+def fedseca_rows_program(party, worker, out: str, refs: list, bits: list[int]) -> int:
+    """A replayed FedSECA round's rows on this shard (``robust_replay``): at F bits
+    (``rows_at_frac_bits``), kept row k as ``<out>#<k>`` (the names ``fedseca_shards`` reads),
+    and their |g| as ring integers (``secure_quantile.quantile_magnitudes``) as ``<out>#abs``;
+    all go when ``out`` is dropped. Returns the rows' fractional bits."""
+    with party.meter("rescale"):
+        G = rows_at_frac_bits([wrap(_array(worker, r), b) for r, b in zip(refs, bits)])
+    share, g_bits = share_of(G)
+    for k in range(share.shape[0]):
+        worker.put(f"{out}#{k}", share[k])
+    with party.meter("quantile"):
+        worker.put(f"{out}#abs", share_of(quantile_magnitudes(G))[0])
+    return g_bits
+
+
+def quantile_below_program(party, worker, abs_name: str, lam: tuple[np.ndarray, int] | None, b: int,
+                           n: int) -> tuple[np.ndarray, int]:
+    """One digit of the quantile search on this shard (``secure_quantile.quantile_below``): this
+    server's share of #{|g| < candidate} per candidate and row over the shard's coordinates, for
+    the coordinators to add (``lam``: their shares of the digits so far, K ring integers)."""
+    with party.meter("quantile"):
+        below = quantile_below(wrap(worker.share(abs_name), 0), None if lam is None else wrap(*lam), b, n)
+    return share_of(below)

@@ -11,12 +11,14 @@ over the opened aggregates, restarting where the rule says.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocols.backend import weight_integers
 from protocols.robust_aggregation import momentum
+from protocols.sharded import ShardedValue
 from protocols.starfish.robust_replay import RoundRule, RuleCombine
 from tests.helpers import robust_aggregation_programs as rap
 from tests.helpers.fixed_point_strategies import LSB
@@ -30,11 +32,12 @@ RULES = {1: {"aggregator": "brace-sign", "step": 0.5, "lam": 0.0},
          5: {"aggregator": "fedseca", "gamma": 0.9, "beta": 0.5}}
 
 
-def _rounds() -> list:
+def _rounds(last_d: int = 11) -> list:
+    """Five rounds of 4 clients and 9 coordinates, the last of 3 clients and ``last_d``."""
     rng = np.random.default_rng(5)
     out = []
     for t in (1, 2, 3, 4, 5):
-        K, D = (4, 9) if t != 5 else (3, 11)
+        K, D = (4, 9) if t != 5 else (3, last_d)
         g = np.round(rng.normal(size=(K, D)) * 0.2 / LSB) * LSB
         g[0] *= 8.0                       # one clipped client
         g[1, :2] = 0.0                    # exact zeros vote 0
@@ -45,6 +48,25 @@ def _rounds() -> list:
 def test_the_2pc_combine_equals_the_twin_round_by_round(pair):
     rounds = _rounds()
     got, got1 = pair.call(rap.replay_combine_rounds, rounds, RULES)
+    _equal_to_the_twin(rounds, got, got1)
+
+
+@settings(max_examples=3, deadline=None)
+@given(k=st.integers(1, 4), block=st.integers(1, 40))
+def test_the_combine_on_coordinate_shards_equals_the_twin_round_by_round(pair_in_each_mode, k, block):
+    """The same rounds with each row on ``k`` coordinate slices (issue 30): BRACE's vote per shard,
+    FedSECA's quantile search with each digit's counts summed over the shards and its round on
+    the shards (``ShardVector.fedseca_with``), the momentum as unsharded. The same oracle as the
+    unsharded combine's, and nothing stays on the shards once the rows are released."""
+    rounds = _rounds(last_d=9)      # one model: one number of coordinates
+    (got, held), (got1, held1) = pair_in_each_mode.call(rap.replay_combine_rounds_on_shards, rounds, RULES, k, block)
+    assert held == held1 == 0
+    assert not any(isinstance(a, str) for a in got), got
+    _equal_to_the_twin(rounds, got, got1)
+
+
+def _equal_to_the_twin(rounds: list, got: list, got1: list) -> None:
+    """Each round's opened direction (both servers') against the twin combine's (module oracle)."""
     twin = RuleCombine(lambda t: RoundRule(**RULES[t]))
     for rnd, a, b in zip(rounds, got, got1):
         np.testing.assert_array_equal(a, b)       # both servers open the same direction
@@ -130,12 +152,10 @@ def test_a_brace_replay_on_coordinate_shards_equals_the_twin(pair_in_each_mode, 
             np.testing.assert_allclose(a, exact, rtol=1e-12, atol=1e-12)
 
 
-def test_a_fedseca_round_on_coordinate_shards_is_refused_with_one_line(pair):
-    """FedSECA's thresholds and CRISE need sums over all coordinates: its replay is not on
-    shards, and a round of it there says so (the service replays such a history at the
-    coordinators, ``unlearning_jobs.on_shards``)."""
-    rounds = [{"t": 1, "rows": [np.full(6, LSB), np.full(6, -LSB)], "wide": [False, True]}]
-    (got, held), _ = pair.call(rap.replay_combine_rounds_on_shards, rounds,
-                               {1: {"aggregator": "fedseca", "gamma": 0.5}}, 2, 8)
-    assert got == ["a fedseca round cannot be replayed on coordinate shards: replay its history at the coordinators"]
-    assert held == 0
+def test_rows_partly_on_coordinate_shards_are_refused_with_one_line(pair):
+    """A round's rows are all on the shards or none is (``ShardHistory`` puts every row there)."""
+    class Marked(ShardedValue):
+        pass
+
+    with pytest.raises(ValueError, match="all on coordinate shards or none is"):
+        RuleCombine(lambda t: RoundRule("fedseca"))([Marked(), torch.zeros(3)], [0.5, 0.5], [0, 1], 1)
