@@ -245,10 +245,6 @@ def _on_workers(args: argparse.Namespace, cfg: SyntheticConfig) -> int:
                                      "--profile none (the workers' links are not emulated)")
     if not 1 <= args.workers <= min(64, cfg.num_params):
         return common_options.refuse("starfish bench unlearning", f"--workers must be 1..{min(64, cfg.num_params)}")
-    if cfg.aggregator == "fedseca":
-        return common_options.refuse("starfish bench unlearning", "--workers replays FedAvg and BRACE histories "
-                                     "(FedSECA's thresholds need sums over all coordinates: its replay runs at "
-                                     "the coordinators); drop --workers for --aggregator fedseca")
     method, t_delta, method_run = _method(profiles.resolve("none"), args.rs_method, cfg.rounds)
     data_path = steps_bench.synthetic_history(cfg, args.cache_dir, args.quiet)
     try:
@@ -257,11 +253,12 @@ def _on_workers(args: argparse.Namespace, cfg: SyntheticConfig) -> int:
         print(f"starfish bench unlearning --workers: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 1
     twin = res["plaintext_twin"]
-    # BRACE's opened vote may differ from the twin's at a coordinate whose estimate lies within its
-    # fixed-point error of 0 (robust_replay); the rows stay at the workers, so the one-process
-    # step check cannot run here: rounds and flags decide, the differing fraction is reported
+    # BRACE's opened vote and FedSECA's keep and sign bits may differ from the twin's at a
+    # coordinate whose estimate lies within its fixed-point error of 0 or of its threshold
+    # (robust_replay); the rows stay at the workers, so the one-process step check cannot run
+    # here: rounds and flags decide, the differing fraction is reported
     ok = res["servers_agree"] and twin["selected_rounds_equal"] and twin["flags_equal"] and (
-        twin["met"] or cfg.aggregator == "brace-sign")
+        twin["met"] or cfg.aggregator in ("brace-sign", "fedseca"))
     gib = 1 / 1e9
     rows = []
     for r, srv in enumerate(res["servers"]):

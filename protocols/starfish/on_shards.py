@@ -22,10 +22,9 @@ m-long value; what is opened is what the unsharded Stage II opens. Each worker k
 as long as the coordinator holds a reference to it: when the last one goes, its name is
 dropped (zeroed) at every worker before the next program runs.
 
-Not on shards (yet): the reused Beaver masks of dealer mode (each pair multiplies Y z with its
-own triples); FedSECA's replay (its
-thresholds and CRISE need sums over all coordinates: a FedSECA history is replayed at the
-coordinators).
+Dealer mode's reused Beaver masks of Y are kept per column at the workers (``shard_steps._masked``); a
+replayed FedSECA round's quantile search sums its per-digit counts over the shards
+(:meth:`ShardVector.fedseca_with`).
 """
 
 from __future__ import annotations

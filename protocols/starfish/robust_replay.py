@@ -32,7 +32,8 @@ signs, weights, clip factors, medians and counts stay shared.
 Rows on coordinate shards (``protocols.starfish.on_shards``, ``[deployment] workers`` > 1): a BRACE
 round's vote is coordinate-wise, so each worker pair votes on its shard and opens it
 (``shard_steps.brace_program``, the same lines as below on the shard's coordinates); a FedSECA
-round is refused there (its thresholds and CRISE sum over all coordinates).
+round's thresholds, CRISE and clip norms sum over all coordinates, so each pair returns its
+shares of its shard's parts and the coordinators add them (``ShardVector.fedseca_with``).
 
 Rows in 2PC: an estimate is a raw sharing at 2F = 32 fractional bits (``update_estimation``);
 the rules' bounded sign tests need 16-bit encodings below 2**14, so the estimated rows are

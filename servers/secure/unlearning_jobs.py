@@ -47,7 +47,7 @@ from servers.secure.robust_steps import replay_rule
 from servers.secure.share_history import ShareHistory
 from servers.store.share_store import ShareStore
 
-__all__ = ["run_job", "starfish_params", "job_params", "write_result", "read_result", "JobWorkers", "on_shards"]
+__all__ = ["run_job", "starfish_params", "job_params", "write_result", "read_result", "JobWorkers"]
 
 
 class JobWorkers(Protocol):
@@ -58,20 +58,6 @@ class JobWorkers(Protocol):
 
     def end_job(self, failed: str | None) -> list[dict]:
         """Close the pairs' sessions (or, after a failure, end the workers); their meters."""
-
-
-#: the rules whose replay runs on the workers' shards (``protocols.starfish.robust_replay``)
-SHARDED_RULES = ("fedavg", "brace-sign")
-
-
-def on_shards(cfg: ServiceConfig, store: ShareStore, rounds: int) -> bool:
-    """Whether a job over rounds 1..``rounds`` runs on the workers: a deployment with workers
-    whose history was aggregated by FedAvg or BRACE (a coordinate-wise vote, replayed per shard).
-    A history with a FedSECA round is replayed at the coordinator: its thresholds and CRISE need
-    sums over all coordinates, not written for shards. Both servers decide alike (config and
-    metadata)."""
-    return cfg.workers > 1 and all(store.metadata(t).get("aggregator", "fedavg") in SHARDED_RULES
-                                   for t in range(1, rounds + 1))
 
 
 def starfish_params(cfg: ServiceConfig) -> StarfishParams:
@@ -139,7 +125,7 @@ def run_job(*, rank: int, cfg: ServiceConfig, store: ShareStore, board: TaskBoar
     """Open the 2PC session of run ``attempt``, run Stage II on this party's shares, write the
     result; returns its path and the model's digest (the same on both servers).
 
-    ``workers`` (``[deployment] workers`` > 1, :func:`on_shards`): Stage II with every m-long
+    ``workers`` (``[deployment] workers`` > 1): Stage II with every m-long
     value on the workers' coordinate shards (``protocols.starfish.on_shards``), the pairs'
     sessions met through this job's session; any failure ends the workers (the next run starts
     new ones).
@@ -173,7 +159,7 @@ def run_job(*, rank: int, cfg: ServiceConfig, store: ShareStore, board: TaskBoar
                                            stop=stop, history=history)
         stage_history: Any = history
         stage_clients: Any = clients
-        if workers is not None and on_shards(cfg, store, rounds):
+        if workers is not None:
             space = ShardSpace(workers.open_job(party, f"job:{job_id}:attempt:{attempt}:shards".encode()),
                                store.dim)
             stage_history, stage_clients = ShardHistory(history, space), ShardClients(clients, space)

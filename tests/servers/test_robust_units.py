@@ -212,25 +212,6 @@ def test_robust_round_messages_round_trip_and_refuse_malformed_fields():
 
 
 # ------------------------------------------------------------------------------------ on shards
-@pytest.mark.parametrize("made_by, workers, sharded", [
-    (["fedavg", "fedavg"], 2, True),
-    (["fedavg", "brace-sign", "brace-sign"], 4, True),
-    (["brace-sign", "fedseca"], 2, False),      # one FedSECA round keeps the replay at the coordinator
-    (["fedseca"], 3, False),
-    (["brace-sign"], 1, False),                 # no workers: one process
-])
-def test_a_job_runs_on_the_workers_for_fedavg_and_brace_histories(made_by, workers, sharded):
-    """``[deployment] workers`` > 1 runs Stage II on the shards when every round's rule replays
-    there (FedAvg, BRACE's coordinate-wise vote); a round without metadata is FedAvg's."""
-    from types import SimpleNamespace
-
-    from servers.secure.unlearning_jobs import on_shards
-
-    meta = {t: ({} if name == "fedavg" and t == 1 else {"aggregator": name}) for t, name in enumerate(made_by, 1)}
-    store = SimpleNamespace(metadata=lambda t: meta[t])
-    assert on_shards(SimpleNamespace(workers=workers), store, len(made_by)) is sharded
-
-
 def test_a_rounds_cost_adds_the_pairs_bytes_and_the_slowest_pairs_rounds():
     """``with_pairs``: the round's log line counts every pair's bytes, and rounds as the pairs run:
     side by side (the coordinators' own, plus the slowest pair's)."""
