@@ -10,7 +10,8 @@ selected rounds and flags; the model within the rule's accuracy: the same opened
 to a few coordinates a round, docs/unlearning.md), and plaintext retraining under the same rule
 (BA-ASR within 5 points), and the plaintext FedAvg replay (what the servers did before: the
 attackers' backdoor back in the model). FedSECA in dealer mode and BRACE in two-party mode (no
-dealer: the engine's sign tests); about 2 minutes on 2 cores.
+dealer: the engine's sign tests), and FedSECA with 2 workers per server (Stage II on shards);
+about 3 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ pytestmark = pytest.mark.timeout(900)
 N, FL_ROUNDS, ATTACKERS = 6, 8, "0,1,2"
 
 
-def _run(root, aggregator: str, offline: str) -> dict:
-    dep = Deployment(root, clients=N, offline=offline,
+def _run(root, aggregator: str, offline: str, workers: int = 1) -> dict:
+    dep = Deployment(root, clients=N, offline=offline, workers=workers,
                      overrides={"fl": {"rounds": FL_ROUNDS, "aggregator": aggregator}})
     try:
         if offline == "dealer":
@@ -122,8 +123,18 @@ def _check(run: dict) -> dict:
 # checks too, measured: BRACE in dealer mode (39 s in the suite before it left it) and FedSECA in
 # two-party mode (113 s here: BA-ASR 0.5% served, twin and retrain, max difference to the twin
 # 2.0e-5; docs/unlearning.md).
-@pytest.mark.parametrize("aggregator,offline", [("fedseca", "dealer"), ("brace-sign", "two-party")])
-def test_a_robust_history_is_unlearned_with_its_rule_in_2pc(tmp_path, aggregator, offline):
-    out = _check(_run(tmp_path, aggregator, offline))
+# The third case: the same FedSECA job with each server a coordinator and 2 Ray workers (issue
+# 30): its replayed rounds' quantile search, CRISE and clip norms from the pairs' per-shard sums.
+@pytest.mark.parametrize("aggregator,offline,workers", [("fedseca", "dealer", 1), ("brace-sign", "two-party", 1),
+                                                        ("fedseca", "dealer", 2)])
+def test_a_robust_history_is_unlearned_with_its_rule_in_2pc(tmp_path, aggregator, offline, workers):
+    if workers > 1:
+        pytest.importorskip("ray")
+    run = _run(tmp_path, aggregator, offline, workers)
+    out = _check(run)
     steps = out["meters"]
     assert any(name.startswith("aggregate/") for name in steps)
+    if workers > 1:
+        res = run["recs"][0]["result"]
+        assert len(res["worker_meters"]) == workers, res.keys()
+        assert all(m["total"].get("online_bytes_sent", 0) > 0 for m in res["worker_meters"])
