@@ -106,15 +106,15 @@ def test_scaling_measures_each_link_profile(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("aggregator", ["brace-sign", "fedseca"])
-def test_unlearning_benchmark_on_two_workers_per_server_equals_the_twin(tmp_path, aggregator):
+def test_unlearning_benchmark_on_two_workers_per_server_equals_the_twin(tmp_path):
     """``bench unlearning --workers 2`` (each server a coordinator and 2 Ray workers in its own
-    cluster) on a BRACE- or FedSECA-made history, replayed with its rule on the shards (BRACE's
-    vote by each shard's pair; FedSECA's quantile search, CRISE and clip norms from the pairs'
-    per-shard sums; the twin replays it with the same rule): both servers' models equal, and the
-    run's public decisions and model equal the plaintext Stage II here; each worker reports its
-    memory and traffic. (A FedAvg history's job on the daemon's workers, one killed mid-job, and
-    the daemon's next run: ``tests/servers/test_service_workers.py``.)"""
+    cluster) on a BRACE-made history, replayed with BRACE's vote, each shard's by its pair (the
+    twin replays it with the same rule): both servers' models equal, and the run's public
+    decisions and model equal the plaintext Stage II here; each worker reports its memory and
+    traffic. (A FedAvg history's job on the daemon's workers, one killed mid-job, and the
+    daemon's next run: ``tests/servers/test_service_workers.py``; a FedSECA history's job on the
+    daemon's workers: ``tests/servers/test_robust_unlearning.py``.)"""
+    aggregator = "brace-sign"
     pytest.importorskip("ray")
     from protocols.starfish import StarfishParams, run_stage2
     from protocols.starfish.robust_replay import RuleCombine
@@ -137,7 +137,7 @@ def test_unlearning_benchmark_on_two_workers_per_server_equals_the_twin(tmp_path
     for server in res["servers"]:
         assert len(server["workers"]) == 2
         assert all(w["online"] > 0 and w["peak_rss_mib"] > 0 for w in server["workers"])
-        # the rule's sign tests ran at the workers, none at the coordinator
+        # the vote's sign tests ran at the workers, none at the coordinator
         assert not any(step.endswith("signs") for step in server["coordinator"]["steps"])
 
 

@@ -51,7 +51,7 @@ def test_the_2pc_combine_equals_the_twin_round_by_round(pair):
     _equal_to_the_twin(rounds, got, got1)
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(k=st.integers(1, 4), block=st.integers(1, 40))
 def test_the_combine_on_coordinate_shards_equals_the_twin_round_by_round(pair_in_each_mode, k, block):
     """The same rounds with each row on ``k`` coordinate slices (issue 30): BRACE's vote per shard,
