@@ -68,6 +68,7 @@ def inner_rows(x: Tensor, row: Callable[[int], torch.Tensor]) -> Tensor:
 
 
 def _abs_max(y: torch.Tensor) -> torch.Tensor:
+    """The largest |y| without a temporary the size of y (a public factor may be m long)."""
     y = torch.as_tensor(y, dtype=torch.float64)
     return torch.maximum(y.max(), -y.min()) if y.numel() else torch.zeros((), dtype=torch.float64)
 
@@ -76,8 +77,7 @@ def public_bits(y: Tensor) -> int:
     """The fractional bits a public factor is encoded with: one exponent for all of it (the
     products are summed before truncating), so coordinate shards must use the whole's."""
     y = torch.as_tensor(y, dtype=torch.float64)
-    # the largest |y| without a temporary the size of y (a T x D factor in round selection)
-    return int(B.public_exponent(torch.maximum(y.max(), -y.min()))) if y.numel() else B.frac_bits()
+    return int(B.public_exponent(_abs_max(y))) if y.numel() else B.frac_bits()
 
 
 def inner_raw(x: Tensor, y: Tensor, dim: int = -1, e: int | None = None) -> Tensor:

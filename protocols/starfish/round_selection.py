@@ -292,7 +292,7 @@ def _target_keys(history: History, targets: Sequence[int], rounds: Sequence[int]
     # calling it "the aggregated gradients"; with that sign a target aligned with the round would
     # score -1 and the rounds where it mattered *least* would be selected.
     def unit_step(k: int) -> torch.Tensor:
-        return _unit(-history.model_delta(rounds[k]).reshape(-1).to(torch.float64))
+        return _unit_step(history, rounds[k])
 
     if len(targets) == 1:
         t = targets[0]
@@ -316,4 +316,9 @@ def unit_rows(history: History, rounds: Sequence[int]) -> torch.Tensor:
     """The global steps M_{i-1} - M_i of ``rounds`` (at least one) as the rows of one (T, m)
     float64 matrix, each divided by its norm (a zero step stays zero): what round selection
     reads one row at a time (:func:`keys_from_steps`)."""
-    return torch.stack([_unit(-history.model_delta(i).reshape(-1).to(torch.float64)) for i in rounds])
+    return torch.stack([_unit_step(history, i) for i in rounds])
+
+
+def _unit_step(history: History, i: int) -> torch.Tensor:
+    """Round i's global step M_{i-1} - M_i, float64, divided by its norm (a zero step stays zero)."""
+    return _unit(-history.model_delta(i).reshape(-1).to(torch.float64))
