@@ -46,27 +46,30 @@ def _rows(worker: Any, names: Sequence[str], precision: int) -> Any:
     return B.stack([wrap(worker.share(n), precision) for n in names])
 
 
-def sums_program(party, worker, names: Sequence[str], lam_name: str, precision: int, bits_name: str) -> list:
+def sums_program(party, worker, names: Sequence[str], lam_name: str, precision: int, bits_name: str,
+                 checked: bool = True) -> list:
     """On this shard: the one bounded sign-test call (6 K m tests: the rule's four blocks and the
-    check's two), its first four blocks kept at the worker as ``bits_name``; returned, this
-    server's shares of the shard's parts of n_gt, n_ge (K each), omega~ (K x K) and N (K), each
-    with its fractional bits."""
+    check's two; 4 K m unless ``checked``), its first four blocks kept at the worker as
+    ``bits_name``; returned, this server's shares of the shard's parts of n_gt, n_ge (K each; None
+    unless ``checked``), omega~ (K x K) and N (K), each with its fractional bits."""
     G = _rows(worker, names, precision)
     lam = wrap(worker.share(lam_name), precision).unsqueeze(1)
     K = int(G.shape[0])
     with party.meter("signs"):
-        bits = _neg(B.cat(sign_blocks(G, lam, claims=True)))
+        bits = _neg(B.cat(sign_blocks(G, lam, claims=checked)))
     share, b = share_of(bits[:4 * K])
     worker.put(bits_name, share)
-    with party.meter("check"):
-        n_gt, n_ge = claim_counts(bits[2 * K:])
+    counts: list = [None, None]
+    if checked:
+        with party.meter("check"):
+            counts = [share_of(v) for v in claim_counts(bits[2 * K:])]
     S = bits[K:2 * K] - bits[:K]
     del bits, share
     with party.meter("crise"):
         omega = crise_omega(S)
     with party.meter("clip"):
         N = clip_norms(G)
-    return [share_of(v) for v in (n_gt, n_ge, omega, N)] + [b]
+    return counts + [share_of(v) for v in (omega, N)] + [b]
 
 
 def _added(party, parts: Sequence[tuple[np.ndarray, int]]) -> Any:
@@ -81,10 +84,15 @@ def _added(party, parts: Sequence[tuple[np.ndarray, int]]) -> Any:
 def decide(party, parts: Sequence[list], lam: Any, D: int, gamma: float) -> tuple[torch.Tensor, list[int], Any, Any]:
     """At the coordinators, from every shard's :func:`sums_program` parts: the public verdict per
     client (its lambda_k is the gamma-quantile of its |g|), the kept clients, CRISE's weights w and
-    the clip factors c of the kept (shared)."""
-    n_gt, n_ge, omega, N = (_added(party, [p[i] for p in parts]) for i in range(4))
-    with party.meter("check"):
-        ok = verdict_from_counts(n_gt, n_ge, lam, D, gamma)
+    the clip factors c of the kept (shared). Parts without counts (``sums_program`` not
+    ``checked``) keep every client."""
+    omega, N = (_added(party, [p[i] for p in parts]) for i in (2, 3))
+    if parts[0][0] is None:
+        ok = torch.ones(len(parts[0][3][0]), dtype=torch.bool)
+    else:
+        n_gt, n_ge = (_added(party, [p[i] for p in parts]) for i in (0, 1))
+        with party.meter("check"):
+            ok = verdict_from_counts(n_gt, n_ge, lam, D, gamma)
     kept = [k for k, good in enumerate(ok.tolist()) if good]
     if not kept:
         return ok, kept, None, None
@@ -116,18 +124,23 @@ def aggregate_program(party, worker, names: Sequence[str], kept: list[int], bits
 
 
 def fedseca_on_shards(ex: Any, party: Any, names: Sequence[str], lam_shares: np.ndarray, dim: int, *,
-                      gamma: float = FEDSECA_GAMMA, precision: int, tag: str = "fedseca"
-                      ) -> tuple[torch.Tensor, np.ndarray | None]:
+                      gamma: float = FEDSECA_GAMMA, precision: int, tag: str = "fedseca",
+                      checked: bool = True) -> tuple[torch.Tensor, np.ndarray | None]:
     """FedSECA's checked round on the updates ``names`` (this server's shares at the executor's
     workers, at ``precision`` bits) and the claimed thresholds ``lam_shares`` (this server's shares,
     K int64 at ``precision``): (the public verdict per client, the opened aggregate of the kept or
-    None), equal to ``fedseca_checked`` on the whole matrix. ``party``: the coordinators' session."""
+    None), equal to ``fedseca_checked`` on the whole matrix. ``party``: the coordinators' session.
+
+    ``checked=False`` is for thresholds the servers computed themselves (a replayed round's exact
+    order statistics, ``ShardVector.fedseca_with``), as the one-process replay's ``fedseca``: no
+    claim to check, so the check's 2 K D sign tests and its opening are left out and every client
+    is kept (the verdict is all true), equal to ``fedseca`` with those thresholds."""
     check_gamma(gamma)
     lam_name, bits_name, w_name, c_name = (f"{tag}/{x}" for x in ("lam", "bits", "w", "c"))
     lam = np.asarray(lam_shares, dtype=np.int64).reshape(-1)
     try:
         ex.put_all(lam_name, lam)
-        parts = ex.run(sums_program, list(names), lam_name, precision, bits_name)
+        parts = ex.run(sums_program, list(names), lam_name, precision, bits_name, checked)
         ok, kept, w, c = decide(party, [p[:4] for p in parts], party.wrap_share(lam, precision=precision),
                                 dim, gamma)
         if not kept:
