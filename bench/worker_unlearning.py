@@ -42,7 +42,8 @@ def _traffic(meters: dict) -> dict:
 
 
 def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, cfg: SyntheticConfig, data_path: str,
-             method: str, t_delta: int, options: dict, peer, attempt: int, held: list) -> dict:
+             method: str, t_delta: int, options: dict, peer, attempt: int, held: list,
+             bar: progress.PartyBar) -> dict:
     from mpc.session import open_party, shared_engine_pool
     from protocols.starfish import StarfishParams, run_stage2
     from protocols.starfish.on_shards import ShardClients, ShardHistory, ShardSpace
@@ -74,8 +75,11 @@ def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, cfg: Syntheti
         space = ShardSpace(group, cfg.num_params)
         params = StarfishParams(sigma=cfg.sigma, beta=cfg.beta, buffer=cfg.buffer, method=method, t_delta=t_delta)
         t1 = time.perf_counter()
-        res = run_stage2(party, ShardHistory(hist, space), list(cfg.targets), params, ShardClients(clients, space),
-                         combine=replay_combine(cfg.aggregator, party.meter))
+        # the replayed rounds drive the bar, as in the one-process bench (bench/unlearning.py)
+        with bar.open(unit="round") as shown:
+            res = run_stage2(party, ShardHistory(hist, space), list(cfg.targets), params,
+                             ShardClients(clients, space), progress=progress.callback(shown),
+                             combine=replay_combine(cfg.aggregator, party.meter))
         job = time.perf_counter() - t1
         space.close()
         report = res.to_json()
@@ -95,7 +99,7 @@ def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, cfg: Syntheti
 
 
 def _coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, spec: dict, data_path: str,
-                 method: str, t_delta: int, options: dict, peer, out) -> None:
+                 method: str, t_delta: int, options: dict, peer, out, bar: progress.PartyBar) -> None:
     """Server ``rank``'s coordinator: its workers, the sessions, Stage II; ("ok", report) or
     ("error", text) through ``out``. (A worker killed mid-job, and the daemon's next run:
     ``tests/servers/test_service_workers.py``.)"""
@@ -104,17 +108,20 @@ def _coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, spec: dic
 
     def attempt(n: int) -> dict:
         return _attempt(rank, keys_dir, ray_dir, workers, SyntheticConfig.from_json(spec), data_path, method,
-                        t_delta, options, peer, n, held)
+                        t_delta, options, peer, n, held, bar)
 
     answer_with_retries(out, 1, attempt, lambda exc: {"failed_at": time.time()}, held, "failed_runs")
 
 
 def run_job(keys_dir: str, workers: int, spec: dict, data_path: str, method: str, t_delta: int, *,
-            offline: str, dealer_address=None, timeout: float = 600.0, wait: float = 7200.0) -> list[tuple]:
-    """Both coordinators' reports (rank 0, rank 1) of one Stage II on ``workers`` pairs."""
+            offline: str, dealer_address=None, timeout: float = 600.0, wait: float = 7200.0,
+            quiet: bool = True) -> list[tuple]:
+    """Both coordinators' reports (rank 0, rank 1) of one Stage II on ``workers`` pairs; unless
+    ``quiet``, coordinator 0 draws the replayed rounds' bar on a terminal."""
     options = {"offline": offline, "dealer_address": dealer_address, "timeout": timeout}
+    bars = [b[0] for b in progress.party_args("Stage II", quiet)]
     return run_pair(_coordinator, lambda r, ray_dir, peer, out: (
-        r, keys_dir, ray_dir, workers, spec, data_path, method, t_delta, options, peer, out), wait)
+        r, keys_dir, ray_dir, workers, spec, data_path, method, t_delta, options, peer, out, bars[r]), wait)
 
 
 def bench(cfg: SyntheticConfig, data_path: str, workers: int, offline: str, method: str, t_delta: int,
@@ -136,7 +143,7 @@ def bench(cfg: SyntheticConfig, data_path: str, workers: int, offline: str, meth
                      f"pair(s), --offline {offline} ...", quiet=quiet)
         t0 = time.perf_counter()
         out = run_job(keys, workers, cfg.to_json(), data_path, method, t_delta, offline=offline,
-                      dealer_address=dealer.address if dealer else None)
+                      dealer_address=dealer.address if dealer else None, quiet=quiet)
         wall = time.perf_counter() - t0
     finally:
         if dealer is not None:

@@ -403,43 +403,69 @@ class SpuEngine:
         (0..30) is local and drops the carry, so y is the floor or one less (the test moves by
         at most 2**-16 at the threshold); |y| >= |d| is [y >= |d|] OR [y <= -|d|].
 
-        All rows go through the same engine calls (``_rows_or``; docs/protocols.md, SecTC).
+        All rows go through the same engine calls (``rows_hits``; docs/protocols.md, SecTC).
         """
         rows, m = x.shape
+        if m == 0 or rows == 0:
+            self._check_drop(drop_bits)
+            return np.zeros(rows, dtype=bool)
+        hits, blocks = self._rows_hits(x, drop_bits, d, _EXCEED_BATCH)
+        return self.open_public(self._positive32(hits) if blocks > 1 else hits) != 0
+
+    def rows_hits(self, x: np.ndarray, drop_bits: int, d: np.ndarray, batch: int = _EXCEED_BATCH) -> np.ndarray:
+        """:meth:`rows_exceed`'s test left shared: 32-bit shares (int32, rows) of how many of the
+        row's blocks of columns (at most ``batch`` coordinates a call) hold a hit; a coordinate
+        shard's pair hands these to its coordinator, which adds the shards' (no wrap: a count of
+        blocks) and opens [sum > 0] once (:meth:`any_hits`). Zero shares for an empty shard."""
+        rows, m = x.shape
+        if m == 0 or rows == 0:
+            self._check_drop(drop_bits)
+            return np.zeros(rows, dtype=np.int32)
+        return self._rows_hits(x, drop_bits, d, batch)[0]
+
+    def any_hits(self, hits: np.ndarray) -> np.ndarray:
+        """Public flags [count > 0] of 32-bit shared counts (:meth:`rows_hits`, added over the
+        shards mod 2**32): one comparison and one opened bit per row."""
+        hits = np.ascontiguousarray(hits).view(np.uint32).view(np.int32) if hits.dtype != np.int32 else hits
+        if hits.size == 0:
+            return np.zeros(0, dtype=bool)
+        return self.open_public(self._positive32(hits)) != 0
+
+    @staticmethod
+    def _check_drop(drop_bits: int) -> int:
         k = int(drop_bits)
         if not 0 <= k <= 30:
             raise ValueError(f"rows_exceed drops 0..30 bits, got {k}")
-        if m == 0 or rows == 0:
-            return np.zeros(rows, dtype=bool)
+        return k
+
+    def _rows_hits(self, x: np.ndarray, drop_bits: int, d: np.ndarray, batch: int) -> tuple[np.ndarray, int]:
+        """(32-bit shares of the per-row count of blocks with a hit, blocks per row) for a
+        non-empty ``x``: blocks of (all rows) x (columns) of at most ``batch`` coordinates (the
+        engine's memory grows with a call); a block's per-row OR inside its call, the block bits
+        (0/1 each: no wrap) summed locally."""
+        k = self._check_drop(drop_bits)
         u = np.ascontiguousarray(x, dtype=np.int64).view(np.uint64)
         if self.rank == 0 and k:
             u = u + np.uint64(1 << 62)
-        high = (u >> np.uint64(k)).astype(np.uint32).view(np.int32)
-        dd = np.ascontiguousarray(d, dtype=np.int64).view(np.uint64).astype(np.uint32).view(np.int32)
-        return self.open_public(self._rows_or(high, dd)) != 0
-
-    def _rows_or(self, y: np.ndarray, d: np.ndarray) -> np.ndarray:
-        """32-bit shares (rows,) of [some |y[r, k]| >= |d[r]|], y (rows, m) and d (rows,) shared
-        mod 2**32, m >= 1. Blocks of (all rows) x (columns) of at most ``_EXCEED_BATCH``
-        coordinates (the engine's memory grows with a call); a block's per-row OR inside its
-        call, the block bits (0/1, one per block: no wrap) summed locally, one call for [sum >= 1]."""
+        y = (u >> np.uint64(k)).astype(np.uint32).view(np.int32)
+        d = np.ascontiguousarray(d, dtype=np.int64).view(np.uint64).astype(np.uint32).view(np.int32)
         rows, m = y.shape
-        row_block = min(rows, _EXCEED_BATCH)
-        col_block = max(1, min(m, _EXCEED_BATCH // row_block))
-        out = np.empty(rows, dtype=np.int32)
+        row_block = min(rows, batch)
+        col_block = max(1, min(m, batch // row_block))
+        out = np.empty(rows, dtype=np.uint32)
         for r0 in range(0, rows, row_block):
             r1 = min(rows, r0 + row_block)
             zero = np.zeros(r1 - r0, np.int32)
             hits = np.zeros(r1 - r0, np.uint32)
             for c0 in range(0, m, col_block):
-                block = y[r0:r1, c0 : c0 + col_block]
-                hits += self.run("rows-exceed", prog_rows_exceed, [block, d[r0:r1], zero],
+                hits += self.run("rows-exceed", prog_rows_exceed, [y[r0:r1, c0 : c0 + col_block], d[r0:r1], zero],
                                  bits=32)[0].view(np.uint32)
-            if m > col_block:
-                hits = self._run_flat("any-hit", prog_positive, [hits.view(np.int32), zero],
-                                      bits=32)[0].view(np.uint32)
-            out[r0:r1] = hits.view(np.int32)
-        return out
+            out[r0:r1] = hits
+        return out.view(np.int32), -(-m // col_block)
+
+    def _positive32(self, c: np.ndarray) -> np.ndarray:
+        """32-bit shares of [c > 0] for 32-bit shared counts c."""
+        return self._run_flat("any-hit", prog_positive, [c, np.zeros_like(c)], bits=32)[0]
 
     def product(self, op: str, a: np.ndarray, b: np.ndarray, kind: str = "offline") -> np.ndarray:
         """Share of a op b (``PRODUCTS``: "mul" with broadcasting, "matmul") of two shared

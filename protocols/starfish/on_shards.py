@@ -49,6 +49,7 @@ from protocols.threshold import flags_from_counts
 from . import shard_steps as steps
 from .pair_buffers import curvature_decide
 from .ports import CorrectionClients, History, HistoryView, Secret
+from .threshold_check import session_engine
 from .update_estimation import HvpSums, hvp_solve
 
 __all__ = ["ShardSpace", "ShardVector", "ShardMatrix", "ShardHistory", "ShardClients", "PublicColumns"]
@@ -331,8 +332,12 @@ class ShardMatrix(_Held):
     def exceeds(self, thresholds: Any) -> torch.Tensor:
         """SecTC on the shards: one public flag per row (``threshold_check``)."""
         d = B.rescale(B.to_shared_like(thresholds))
-        counts = self.space.run(steps.counts_program, self.refs, self.bits, steps.share_of(d), self.space.block)
-        total = self.space.gather([(c, 0) for c in counts])
+        parts = self.space.run(steps.counts_program, self.refs, self.bits, steps.share_of(d), self.space.block)
+        if parts[0][1]:     # the engine's 32-bit counts (two-party mode): its comparison, opened
+            with np.errstate(over="ignore"):
+                total = np.sum(np.stack([c for c, _ in parts]).astype(np.uint32), axis=0, dtype=np.uint32)
+            return torch.from_numpy(session_engine().any_hits(total.view(np.int32))).to(torch.int64)
+        total = self.space.gather([(c, 0) for c, _ in parts])
         return flags_from_counts(total).reshape(-1).to(torch.int64)
 
     def inner(self, other: Any) -> Any:

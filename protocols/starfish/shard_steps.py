@@ -26,6 +26,7 @@ from protocols.secure_quantile import quantile_below, quantile_magnitudes
 from protocols.threshold import exceed_counts_blocked
 
 from .pair_buffers import curvature_sums
+from .threshold_check import ENGINE_DROP, session_engine
 from .robust_replay import rows_at_frac_bits
 from .update_estimation import HvpCoefficients, hvp_apply, hvp_sums
 
@@ -198,31 +199,49 @@ def hvp_apply_program(party, worker, out: str, y_refs: list, y_bits: int, stored
 
 
 def counts_program(party, worker, refs: list, bits: int, thresholds: tuple[np.ndarray, int],
-                   block: int = BLOCK) -> np.ndarray:
-    """SecTC on this shard: per row, a share of a count the coordinator adds over the shards and
-    compares with 1 (``flags_from_counts``), ``block`` values at a time. ``refs``: the client
-    rows (none: no counts).
+                   block: int = BLOCK) -> tuple[np.ndarray, bool]:
+    """SecTC on this shard: (per row, a share of a count the coordinator adds over the shards and
+    compares with 1, whether those are the two-party engine's 32-bit shares), ``block`` values
+    at a time. ``refs``: the client rows (none: no counts).
 
+    Two-party mode (``_engine_counts``): the unsharded two-party check's test in the engine's
+    32-bit ring (``SpuEngine.rows_hits``: per row, the blocks with a hit), left shared; the
+    coordinators add them mod 2**32 and open [sum > 0] in their engine (``SpuEngine.any_hits``).
     Dealer mode (``_table_counts``): per row and batch, the bit "some coordinate reaches the
     threshold" from the table-driven sign tests of the unsharded dealer-mode check (about 24 bytes
     a coordinate), so the sum counts the batches with a hit. Otherwise: rescaled, then the number
-    of coordinates at or above the threshold (generic comparison, about 91 bytes a coordinate)."""
+    of coordinates at or above the threshold (generic comparison, about 91 bytes a coordinate);
+    the coordinators compare the ring sum (``flags_from_counts``)."""
     d, d_bits = thresholds
     block = batch_values(party, block)
     rows = len(refs)
+    engine = _engine_counts(bits, d_bits, block)
     if not rows:
-        return np.zeros(0, dtype=np.int64)
-    table = _table_counts(bits, d_bits)
+        return np.zeros(0, dtype=np.int64), engine is not None
+    table = None if engine is not None else _table_counts(bits, d_bits)
     counts = []
     with party.meter("TC"):
         for lo, hi in row_chunks(rows, _array(worker, refs[0]).shape[-1], block):
             dk = d[lo:hi] if d.ndim and d.shape[0] == rows else d     # one threshold per row, or one for all
-            if table is not None:
-                counts.append(table(_stacked(worker, refs[lo:hi]), np.broadcast_to(dk, (hi - lo,))))
+            direct = engine or table
+            if direct is not None:
+                counts.append(direct(_stacked(worker, refs[lo:hi]), np.broadcast_to(dk, (hi - lo,))))
                 continue
             x = B.rescale(wrap(_stacked(worker, refs[lo:hi]), bits))
             counts.append(exceed_counts_blocked(x, wrap(dk, d_bits), block).share.numpy().copy())
-    return np.concatenate(counts)
+    return np.concatenate(counts).astype(np.int64), engine is not None
+
+
+def _engine_counts(bits: int, d_bits: int, block: int):
+    """Two-party mode, where the engine truncates locally into 32 bits: the per-row 32-bit shared
+    counts of a batch (rows, m) against its thresholds (rows,), ``block`` coordinates an engine
+    call (its memory follows a call). None elsewhere."""
+    engine = session_engine()
+    drop = bits - B.frac_bits()
+    if engine is None or d_bits != B.frac_bits() or not 0 <= drop <= ENGINE_DROP:
+        return None
+    return lambda x, d: engine.rows_hits(np.ascontiguousarray(x), drop, np.ascontiguousarray(d, dtype=np.int64),
+                                         batch=block)
 
 
 def _table_counts(bits: int, d_bits: int):

@@ -18,7 +18,15 @@ from protocols import backend as B
 from protocols.sharded import is_sharded
 from protocols.threshold import any_exceeds
 
-__all__ = ["check_thresholds"]
+__all__ = ["check_thresholds", "session_engine", "ENGINE_DROP"]
+
+#: the fractional bits the engine's SecTC may drop locally (``SpuEngine.rows_exceed``)
+ENGINE_DROP = 30
+
+
+def session_engine() -> Any:
+    """The two-party engine of the session in use (``SpuEngine``); None in any other mode."""
+    return getattr(crypten.mpc.get_default_provider(), "engine", None)
 
 
 def check_thresholds(estimates: Any, thresholds: Any) -> torch.Tensor:
@@ -46,9 +54,9 @@ def _two_party_check(estimates: Any, thresholds: Any) -> torch.Tensor | None:
     rescaled estimates, revealing the same one bit per row. None in any other mode."""
     if not B.is_shared(estimates):
         return None
-    engine = getattr(crypten.mpc.get_default_provider(), "engine", None)
+    engine = session_engine()
     drop = B.bits_of(estimates) - B.frac_bits()
-    if engine is None or not 0 <= drop <= 30:
+    if engine is None or not 0 <= drop <= ENGINE_DROP:
         return None
     if B.is_shared(thresholds):
         d = B.rescale(thresholds).share.numpy()

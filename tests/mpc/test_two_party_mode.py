@@ -478,17 +478,25 @@ def test_engine_matmul_in_blocks_of_rows_equals_the_ring_product(tp, rows, inner
 
 def rows_exceed_program(party, x0, x1, d0, d1, drop, batch):
     """The engine's SecTC test with blocks of ``batch`` coordinates (``_EXCEED_BATCH``; here small,
-    so that rows span several blocks and the blocks' bits are ORed on shares)."""
+    so that rows span several blocks and the blocks' bits are ORed on shares); and the same test
+    as coordinate shards run it: ``rows_hits`` on three column slices (one empty), their 32-bit
+    shares added, ``any_hits`` opened."""
     import mpc.spu_engine as se
 
+    x = np.asarray(x0 if party.rank == 0 else x1, dtype=np.int64)
+    d = np.asarray(d0 if party.rank == 0 else d1, dtype=np.int64)
     old = se._EXCEED_BATCH
     se._EXCEED_BATCH = batch
     try:
-        flags = party.engine.rows_exceed(np.asarray(x0 if party.rank == 0 else x1, dtype=np.int64), drop,
-                                         np.asarray(d0 if party.rank == 0 else d1, dtype=np.int64))
+        flags = party.engine.rows_exceed(x, drop, d)
     finally:
         se._EXCEED_BATCH = old
-    return flags.tolist()
+    half = x.shape[1] // 2
+    hits = [party.engine.rows_hits(x[:, lo:hi], drop, d, batch=batch) for lo, hi in ((0, half), (half, half),
+                                                                                     (half, x.shape[1]))]
+    with np.errstate(over="ignore"):
+        total = np.sum(np.stack(hits).view(np.uint32), axis=0, dtype=np.uint32)
+    return flags.tolist(), party.engine.any_hits(total.view(np.int32)).tolist()
 
 
 def _exceed_case(rng, rows: int, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -520,7 +528,8 @@ def test_rows_exceed_in_one_batched_pass_equals_numpy(tp, batch):
     """SecTC's engine test over all rows at once (blocks of rows x columns, the per-row OR inside
     each call and over blocks on shares) against numpy, on exact edges (drop 0) and on truncated
     values away from the threshold (drop 16: y is the floor or one less); the engine calls are
-    ceil(rows m / batch) (+ 1 when a row spans several blocks), not one per row."""
+    ceil(rows m / batch) (+ 1 when a row spans several blocks), not one per row. The shards'
+    form (per-slice shared counts, added, one opened comparison) gives the same flags."""
     rng = np.random.default_rng(batch)
     rows, m = 12, 23
     x, d = _exceed_case(rng, rows, m)
@@ -529,7 +538,7 @@ def test_rows_exceed_in_one_batched_pass_equals_numpy(tp, batch):
     x0, x1 = split(x, "uniform", rng)
     d0, d1 = split(d, "uniform", rng)
     f0, f1 = call_both(tp, rows_exceed_program, x0, x1, d0, d1, 0, batch)
-    assert f0 == f1 == want.tolist()
+    assert f0[0] == f1[0] == f0[1] == f1[1] == want.tolist()
     # drop 16: values at least 2 units (after truncation) from the threshold
     t = rng.integers(4, 2**13, rows, dtype=np.int64)
     y = rng.integers(-(t - 2)[:, None], (t - 1)[:, None], (rows, m), dtype=np.int64)
@@ -538,7 +547,7 @@ def test_rows_exceed_in_one_batched_pass_equals_numpy(tp, batch):
     xs = (y << 16) + rng.integers(0, 1 << 16, (rows, m), dtype=np.int64)
     g0, g1 = call_both(tp, rows_exceed_program, *split(xs, "uniform", rng), *split(t, "uniform", rng),
                                  16, batch)
-    assert g0 == g1 == want16.tolist()
+    assert g0[0] == g1[0] == g0[1] == g1[1] == want16.tolist()
 
 
 # ============================================================================ 2. protocols

@@ -187,20 +187,28 @@ def stage2_on_shares(party, m0: np.ndarray, server_lr: float, rounds: list[dict]
             "estimated_updates": res.estimated_updates}
 
 
-def shard_exceed_counts(party, x_shares: tuple, d_shares: tuple, k: int, block: int) -> np.ndarray:
+def shard_exceed_counts(party, x_shares: tuple, d_shares: tuple, k: int, block: int) -> tuple[np.ndarray, bool]:
     """SecTC's counts (``shard_steps.counts_program``) on ``k`` coordinate slices of this party's
     share of x (rows, m) with one threshold per row, both at 16 fractional bits; each slice's
-    count shares added as a coordinator adds them, then opened."""
+    count shares added as a coordinator adds them (mod 2**32 where they are the two-party
+    engine's), then opened; and whether they were the engine's."""
     from protocols.starfish import shard_steps as steps
+    from protocols.starfish.threshold_check import session_engine
     from tests.helpers.shard_slices import SliceShards
 
     x, d = x_shares[party.rank], d_shares[party.rank]
     slices = SliceShards(party, x.shape[-1], k)
     slices.scatter("x", x)
     refs = [("x", r) for r in range(x.shape[0])]
-    counts = slices.run(steps.counts_program, refs, 16, (d, 16), block)
-    total = np.sum(np.stack(counts), axis=0, dtype=np.int64)
-    return steps.wrap(total, 0).get_plain_text().numpy() if total.size else total
+    parts = slices.run(steps.counts_program, refs, 16, (d, 16), block)
+    engine = bool(parts[0][1])
+    if engine:
+        with np.errstate(over="ignore"):
+            total = np.sum(np.stack([c for c, _ in parts]).astype(np.uint32), axis=0, dtype=np.uint32)
+        opened = session_engine().open_public(total.view(np.int32)).astype(np.int64) if total.size else total
+        return np.asarray(opened, dtype=np.int64), engine
+    total = np.sum(np.stack([c for c, _ in parts]), axis=0, dtype=np.int64)
+    return (steps.wrap(total, 0).get_plain_text().numpy() if total.size else total), engine
 
 
 def estimates_on_slices(party, Y: np.ndarray, S: np.ndarray, v: np.ndarray, stored: np.ndarray, coef: tuple,

@@ -60,8 +60,9 @@ def test_threshold_counts_on_shards_add_to_the_rows_hits(pair_in_each_mode, rows
     """SecTC's per-row counts, summed over K coordinate slices, are what the coordinator compares
     with 1: at least 1 exactly where numpy finds some x**2 >= d**2 in the row (ties included:
     some coordinates equal their row's threshold, |x| up to 2**13.6), and never more than
-    numpy's number of such coordinates (two-party mode counts them; dealer mode's table-driven
-    test counts the batches with one); no rows gives no counts."""
+    numpy's number of such coordinates (both modes count the batches with one: two-party mode in
+    the engine's 32-bit ring, ``SpuEngine.rows_hits``, dealer mode by the table-driven test); no
+    rows gives no counts."""
     from tests.helpers.ring_shares import split
 
     k = min(k, m)
@@ -70,8 +71,9 @@ def test_threshold_counts_on_shards_add_to_the_rows_hits(pair_in_each_mode, rows
     d = rng.integers(0, 2 * scale, size=rows, dtype=np.int64, endpoint=True)
     if rows and m > 1:
         x[0, 0], x[0, 1] = d[0], -d[0]          # exactly at the threshold: counted
-    out0, out1 = pair_in_each_mode.call(pp.shard_exceed_counts, split(x, "uniform", rng), split(d, "uniform", rng),
-                                        k, block)
+    (out0, engine0), (out1, engine1) = pair_in_each_mode.call(pp.shard_exceed_counts, split(x, "uniform", rng),
+                                                              split(d, "uniform", rng), k, block)
+    assert engine0 == engine1 == (pair_in_each_mode.options["offline"] == "two-party")
     want = ((x.astype(object) ** 2) >= (d.astype(object) ** 2)[:, None]).sum(axis=1).astype(np.int64)
     for out in (np.asarray(out0).reshape(-1), np.asarray(out1).reshape(-1)):
         assert out.shape == want.shape
