@@ -26,8 +26,8 @@ from protocols.secure_quantile import quantile_below, quantile_magnitudes
 from protocols.threshold import exceed_counts_blocked
 
 from .pair_buffers import curvature_sums
-from .threshold_check import ENGINE_DROP, session_engine
 from .robust_replay import rows_at_frac_bits
+from .threshold_check import ENGINE_DROP, session_engine
 from .update_estimation import HvpCoefficients, hvp_apply, hvp_sums
 
 __all__ = ["Ref", "share_of", "wrap", "sub_program", "weighted_program", "rescale_program", "open_program",
