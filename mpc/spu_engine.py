@@ -426,7 +426,7 @@ class SpuEngine:
     def any_hits(self, hits: np.ndarray) -> np.ndarray:
         """Public flags [count > 0] of 32-bit shared counts (:meth:`rows_hits`, added over the
         shards mod 2**32): one comparison and one opened bit per row."""
-        hits = np.ascontiguousarray(hits).view(np.uint32).view(np.int32) if hits.dtype != np.int32 else hits
+        hits = np.asarray(hits).astype(np.uint32).view(np.int32)   # any integer dtype, taken mod 2**32
         if hits.size == 0:
             return np.zeros(0, dtype=bool)
         return self.open_public(self._positive32(hits)) != 0
