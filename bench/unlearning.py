@@ -234,6 +234,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=None, metavar="K",
                    help="each server as a coordinator and K Ray workers (issue 30): Stage II with every "
                         "m-long value on K coordinate shards, loopback only; default: one process per server")
+    p.add_argument("--worker-spill-mib", type=float, default=0.0, metavar="MIB",
+                   help="with --workers: each worker keeps its shares of at least MIB MiB in files of its "
+                        "temporary directory, mapped when used ([deployment] worker_spill_mib); 0 (default): "
+                        "in memory")
 
 
 def _on_workers(args: argparse.Namespace, cfg: SyntheticConfig) -> int:
@@ -245,10 +249,13 @@ def _on_workers(args: argparse.Namespace, cfg: SyntheticConfig) -> int:
                                      "--profile none (the workers' links are not emulated)")
     if not 1 <= args.workers <= min(64, cfg.num_params):
         return common_options.refuse("starfish bench unlearning", f"--workers must be 1..{min(64, cfg.num_params)}")
+    if not 0 <= args.worker_spill_mib < float("inf"):
+        return common_options.refuse("starfish bench unlearning", "--worker-spill-mib must be a number >= 0")
     method, t_delta, method_run = _method(profiles.resolve("none"), args.rs_method, cfg.rounds)
     data_path = steps_bench.synthetic_history(cfg, args.cache_dir, args.quiet)
     try:
-        res = bench(cfg, str(data_path), args.workers, args.offline, method, t_delta, args.quiet)
+        res = bench(cfg, str(data_path), args.workers, args.offline, method, t_delta, args.quiet,
+                    spill_mib=args.worker_spill_mib)
     except RuntimeError as exc:
         print(f"starfish bench unlearning --workers: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 1
@@ -265,14 +272,16 @@ def _on_workers(args: argparse.Namespace, cfg: SyntheticConfig) -> int:
         c = srv["coordinator"]
         rows.append(f"| {r} | coordinator | {c['peak_rss_mib']:.0f} | - | {c['online'] * gib:.3f} "
                     f"| {c['offline'] * gib:.3f} | {c['rounds']} |")
-        rows += [f"| {r} | worker {k} | {w['peak_rss_mib']:.0f} | {w.get('peak_held_mib', 0):.0f} | {w['online'] * gib:.3f} "
+        rows += [f"| {r} | worker {k} | {w['peak_rss_mib']:.0f} | {w.get('peak_held_mib', 0):.0f} "
+                 f"({w.get('peak_spilled_mib', 0):.0f} in files) | {w['online'] * gib:.3f} "
                  f"| {w['offline'] * gib:.3f} | {w['rounds']} |" for k, w in enumerate(srv["workers"])]
     text = "\n".join([
         f"## starfish bench unlearning --workers {args.workers}: config {cfg.name}: {cfg.clients} clients x "
         f"{cfg.num_params:,} parameters, {cfg.rounds} rounds, --offline {args.offline}, loopback; every m-long "
         f"value on {args.workers} coordinate shard(s) per server, round selection {method_run}",
         f"Stage II: {res['servers'][0]['job_s']:.1f} s (server 0; server 1 {res['servers'][1]['job_s']:.1f} s); "
-        f"workers and sessions started in {res['servers'][0]['start_s']:.1f} s; whole run {res['wall_s']:.1f} s",
+        f"workers and sessions started in {res['servers'][0]['start_s']:.1f} s; whole run {res['wall_s']:.1f} s"
+        + (f"; shares of >= {args.worker_spill_mib:g} MiB spilled to the workers' files" if args.worker_spill_mib else ""),
         f"replay: {len(res['selected_rounds'])} selected rounds, {res['warmup_steps']} warm-up steps, "
         f"{res['estimated_updates']} estimated updates, flags {sum(len(f) for f in res['flags'].values())}; "
         f"both servers' models identical: {'yes' if res['servers_agree'] else 'NO'}",

@@ -87,6 +87,7 @@ def _attempt(rank: int, keys_dir: str, ray_dir: str, workers: int, cfg: Syntheti
                       coordinator={"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                                    **_traffic(party.meters()), "steps": party.meters()["steps"]},
                       workers=[{"peak_rss_mib": st.get("peak_rss_mib"), "peak_held_mib": st.get("peak_bytes", 0) / 2**20,
+                                "peak_spilled_mib": st.get("peak_spilled_bytes", 0) / 2**20,
                                 **_traffic(m)}
                                for st, m in zip(group.state(), group.meters())])
         group.close()
@@ -115,17 +116,18 @@ def _coordinator(rank: int, keys_dir: str, ray_dir: str, workers: int, spec: dic
 
 def run_job(keys_dir: str, workers: int, spec: dict, data_path: str, method: str, t_delta: int, *,
             offline: str, dealer_address=None, timeout: float = 600.0, wait: float = 7200.0,
-            quiet: bool = True) -> list[tuple]:
+            quiet: bool = True, spill_mib: float = 0.0) -> list[tuple]:
     """Both coordinators' reports (rank 0, rank 1) of one Stage II on ``workers`` pairs; unless
-    ``quiet``, coordinator 0 draws the replayed rounds' bar on a terminal."""
-    options = {"offline": offline, "dealer_address": dealer_address, "timeout": timeout}
+    ``quiet``, coordinator 0 draws the replayed rounds' bar on a terminal. ``spill_mib``: the
+    workers' ``ShardWorker`` option (shares from that size up in files)."""
+    options = {"offline": offline, "dealer_address": dealer_address, "timeout": timeout, "spill_mib": spill_mib}
     bars = [b[0] for b in progress.party_args("Stage II", quiet)]
     return run_pair(_coordinator, lambda r, ray_dir, peer, out: (
         r, keys_dir, ray_dir, workers, spec, data_path, method, t_delta, options, peer, out, bars[r]), wait)
 
 
 def bench(cfg: SyntheticConfig, data_path: str, workers: int, offline: str, method: str, t_delta: int,
-          quiet: bool) -> dict:
+          quiet: bool, spill_mib: float = 0.0) -> dict:
     """The job on ``workers`` pairs with throw-away keys (worker certificates included; in dealer
     mode a dealer thread in this process), checked against the plaintext twin."""
     from mpc.dealer import DealerServer
@@ -143,7 +145,7 @@ def bench(cfg: SyntheticConfig, data_path: str, workers: int, offline: str, meth
                      f"pair(s), --offline {offline} ...", quiet=quiet)
         t0 = time.perf_counter()
         out = run_job(keys, workers, cfg.to_json(), data_path, method, t_delta, offline=offline,
-                      dealer_address=dealer.address if dealer else None, quiet=quiet)
+                      dealer_address=dealer.address if dealer else None, quiet=quiet, spill_mib=spill_mib)
         wall = time.perf_counter() - t0
     finally:
         if dealer is not None:

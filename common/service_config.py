@@ -207,6 +207,9 @@ class ServiceConfig:
     workers: int = 1
     # the server's own Ray cluster to join ("auto" or "host:port"); "": each daemon starts a local one
     ray_address: str = ""
+    # a worker's shares of at least this many MiB live in files of its temporary directory, read
+    # through a memory map when used (its memory follows a step, not all it keeps); 0: in memory
+    worker_spill_mib: float = 0.0
     server0: ServerSection = field(default_factory=ServerSection)
     server1: ServerSection = field(default_factory=lambda: ServerSection(
         api_port=7110, peer_port=7111, mpc_port=7112, data_dir="data/server1"))
@@ -238,7 +241,7 @@ _SECTIONS: dict[str, type] = {
 
 
 #: the keys of ``[deployment]`` (the others are sections of their own)
-DEPLOYMENT_KEYS = ("keys_dir", "offline", "workers", "ray_address")
+DEPLOYMENT_KEYS = ("keys_dir", "offline", "workers", "ray_address", "worker_spill_mib")
 
 
 def _section(cls: type, name: str, raw: Any, base: Any) -> Any:
@@ -353,12 +356,16 @@ def load_config(path: str | os.PathLike[str]) -> ServiceConfig:
     ray_address = deployment.get("ray_address", "")
     if not isinstance(ray_address, str):
         raise ConfigError("[deployment] ray_address must be a string (\"\": a local cluster per server)")
+    spill = deployment.get("worker_spill_mib", 0.0)
+    if isinstance(spill, bool) or not isinstance(spill, (int, float)) or not 0 <= spill < math.inf:
+        raise ConfigError(f"[deployment] worker_spill_mib must be a number >= 0 (0: a worker keeps its "
+                          f"shares in memory), got {spill!r}")
     try:
         offline = OfflineMode.of(deployment.get("offline", DEFAULT_OFFLINE))
     except ValueError as exc:
         raise ConfigError(f"[deployment] {exc}") from None
     cfg = ServiceConfig(path=p, keys_dir=Path("."), offline=offline, workers=workers,
-                        ray_address=ray_address)
+                        ray_address=ray_address, worker_spill_mib=float(spill))
     unknown = sorted(set(top) - set(_SECTIONS))
     if unknown:
         raise ConfigError(f"unknown sections {unknown}; known: deployment, {', '.join(_SECTIONS)}")
@@ -390,7 +397,9 @@ def render_config(cfg: ServiceConfig, keys_dir: str = "keys") -> str:
              "# two-party: none, the servers make it between themselves (docs/protocols.md)",
              f"offline = {_toml_value(cfg.offline)}",
              "# workers > 1: each server a coordinator and that many Ray workers (docs/service.md)",
-             f"workers = {cfg.workers}", f"ray_address = {_toml_value(cfg.ray_address)}", ""]
+             f"workers = {cfg.workers}", f"ray_address = {_toml_value(cfg.ray_address)}",
+             "# > 0: a worker's shares from this many MiB up live in its temporary directory's files",
+             f"worker_spill_mib = {_toml_value(cfg.worker_spill_mib)}", ""]
     for name in _SECTIONS:
         sec = getattr(cfg, name)
         lines.append(f"[{name}]")

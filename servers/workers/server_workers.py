@@ -105,7 +105,7 @@ class ServerWorkers:
     def _options(self) -> dict[str, Any]:
         me = self.cfg.server(self.rank)
         opts: dict[str, Any] = {"offline": str(self.cfg.offline.value), "timeout": self.cfg.limits.peer_timeout,
-                                "listen_host": me.worker_host or me.host}
+                                "listen_host": me.worker_host or me.host, "spill_mib": self.cfg.worker_spill_mib}
         if opts["offline"] == "dealer":
             opts["dealer_address"] = self.cfg.dealer.endpoint().address
         return opts

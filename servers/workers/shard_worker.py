@@ -10,7 +10,9 @@ two-party engine (kept for the worker's lifetime, ``mpc.session.shared_engine_po
 This class is the actor's body and knows nothing of Ray (``worker_group`` makes it a Ray actor in
 the server's own cluster), so the same code runs, and is tested, as a plain process.
 
-What a worker holds: named int64 ring shares of its shard (``put``/``drop``), in memory, and, where
+What a worker holds: named int64 ring shares of its shard (``put``/``drop``), in memory (or, from
+``spill_mib`` MiB a share up, in a file of its own temporary directory, read through a memory map
+when a program uses it: its memory then follows a step's working set, not every share it keeps), and, where
 its server keeps the stored updates on the shards, its slices of them in its own directory
 (``shard_dir``: ``put_slices``, ``load``; ``servers.store.shard_files``); what
 leaves it: what its coordinator asks for, which is either a share (this server's, never the
@@ -20,6 +22,7 @@ peer's) or a value the pair opened on purpose (a program's documented output).
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import resource
 import shutil
@@ -28,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -63,6 +67,21 @@ def _machine_address() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+@dataclass(frozen=True)
+class _Spilled:
+    """A share kept in a file of the worker's spill directory (``ShardWorker`` with ``spill_mib``)."""
+    path: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return 8 * math.prod(self.shape)
+
+    def array(self) -> np.ndarray:
+        # a fresh map per use: pages a step touched leave the process's memory with the step
+        return np.memmap(self.path, dtype=np.int64, mode="r+", shape=self.shape)
+
+
 class ShardWorker:
     """Worker ``worker`` of server ``rank`` (see the module docstring).
 
@@ -70,11 +89,14 @@ class ShardWorker:
     CA certificate and CRL; ``offline`` is the deployment's mode and ``dealer_address`` the
     dealer's endpoint in dealer mode. Server 1's workers listen for their peer on
     ``listen_host`` (port ``listen_port``; 0: any free one), reported by ``address``.
+    ``spill_mib`` > 0: shares of at least that many MiB live in files under the worker's own
+    temporary directory (swept at start, as its other files) instead of in memory.
     """
 
     def __init__(self, rank: int, worker: int, keys_dir: str, *, offline: str,
                  dealer_address: tuple[str, int] | None = None, listen_host: str = "127.0.0.1",
-                 listen_port: int = 0, timeout: float = 120.0, shard_dir: str | None = None) -> None:
+                 listen_port: int = 0, timeout: float = 120.0, shard_dir: str | None = None,
+                 spill_mib: float = 0.0) -> None:
         self.name = tls.party_name(rank, worker)
         try:
             tls.identity(keys_dir, self.name)       # fail at start, naming the missing file
@@ -93,8 +115,11 @@ class ShardWorker:
         self._listener: socket.socket | None = None
         if rank == 1:
             self._listener = socket.create_server((listen_host, listen_port))
-        self._shares: dict[str, np.ndarray] = {}
+        self._shares: dict[str, np.ndarray | _Spilled] = {}
         self._held = self._peak_held = 0        # bytes of shares kept, now and at most
+        self._spill_from = int(spill_mib * 2**20) if spill_mib > 0 else 0
+        self._spill_dir = os.path.join(self._tmp, "spill")
+        self._spilled_bytes = self._peak_spilled = self._spill_count = 0
         self._party: Any = None
         self._ticket: bytes | None = None
         # this shard's slices of the stored updates (``servers.store.shard_files``), on this machine
@@ -154,15 +179,46 @@ class ShardWorker:
         arr = np.asarray(share)
         if arr.dtype != np.int64:
             raise WorkerError(f"{self.name}: a share is int64 ring elements, not {arr.dtype}")
-        # a copy of our own: what Ray hands over is a read-only view of its object store, which
-        # ``drop`` could not zero
         old = self._shares.get(name)
-        self._shares[name] = np.array(arr, order="C", copy=True)
-        if old is not None:           # a name put again: the share it held is zeroed as a drop would
-            old.fill(0)
-        self._held += arr.nbytes - (old.nbytes if old is not None else 0)
+        if self._spill_from and arr.nbytes >= self._spill_from:
+            self._shares[name] = self._spill(arr)
+        else:
+            # a copy of our own: what Ray hands over is a read-only view of its object store, which
+            # ``drop`` could not zero
+            self._shares[name] = np.array(arr, order="C", copy=True)
+        if old is not None:           # a name put again: the share it held goes as a drop would
+            self._forget(old)
+        self._held += arr.nbytes
         self._peak_held = max(self._peak_held, self._held)
+        self._peak_spilled = max(self._peak_spilled, self._spilled_bytes)
         return arr.nbytes
+
+    def _spill(self, arr: np.ndarray) -> _Spilled:
+        os.makedirs(self._spill_dir, mode=0o700, exist_ok=True)
+        self._spill_count += 1
+        path = os.path.join(self._spill_dir, f"{self._spill_count}.i64")
+        try:
+            with open(path, "wb") as f:
+                np.ascontiguousarray(arr).tofile(f)
+        except OSError as exc:
+            raise WorkerError(f"{self.name}: cannot write a share to its spill directory {self._spill_dir}: "
+                              f"{exc}; free space there (the worker's TMPDIR chooses the disk) or keep shares "
+                              f"in memory ([deployment] worker_spill_mib = 0)") from None
+        self._spilled_bytes += arr.nbytes
+        return _Spilled(path, arr.shape)
+
+    def _forget(self, held: np.ndarray | _Spilled) -> None:
+        """Zero a share in memory; a spilled one's file is unlinked (the store's blobs go the same way,
+        ``servers.store.blobs``: what the file system's unlink reaches)."""
+        if isinstance(held, _Spilled):
+            try:
+                os.unlink(held.path)
+            except FileNotFoundError:
+                pass
+            self._spilled_bytes -= held.nbytes
+        else:
+            held.fill(0)
+        self._held -= held.nbytes
 
     def drop(self, names: list[str]) -> int:
         """Forget the named shares and what a program kept beside each (``name#...``: its reused
@@ -170,10 +226,9 @@ class ShardWorker:
         gone = 0
         for n in names:
             for key in [n, *(k for k in self._shares if k.startswith(n + "#"))]:
-                arr = self._shares.pop(key, None)
-                if arr is not None:
-                    arr.fill(0)
-                    self._held -= arr.nbytes
+                held = self._shares.pop(key, None)
+                if held is not None:
+                    self._forget(held)
                     gone += key == n
         return gone
 
@@ -182,9 +237,10 @@ class ShardWorker:
 
     def share(self, name: str) -> np.ndarray:
         try:
-            return self._shares[name]
+            held = self._shares[name]
         except KeyError:
             raise WorkerError(f"{self.name} holds no share named {name!r}") from None
+        return held.array() if isinstance(held, _Spilled) else held
 
     # ------------------------------------------------------------------ the stored slices
     def _slices(self) -> BlobStore:
@@ -260,6 +316,7 @@ class ShardWorker:
         """What ``starfish status`` shows of a worker."""
         return {"name": self.name, "pid": os.getpid(), "session": self._ticket is not None,
                 "shares": len(self._shares), "bytes": self._held, "peak_bytes": self._peak_held,
+                "spilled_bytes": self._spilled_bytes, "peak_spilled_bytes": self._peak_spilled,
                 "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                 "up_s": round(time.time() - self._started, 1),
                 **({"slices": len(self._files.digests())} if self._files is not None else {})}

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from common.encoding import decode, encode
 from common.sharing import share
@@ -39,6 +42,36 @@ def test_config_defaults_round_trip_and_validation(tmp_path):
             load_config(p)
     with pytest.raises(ConfigError, match="no config file"):
         load_config(tmp_path / "missing.toml")
+
+
+@given(spill=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-2**40, 2**40),
+                       st.booleans(), st.text(alphabet="ab01 ", max_size=5)))
+def test_worker_spill_budget_is_a_number_from_zero_and_round_trips(tmp_path_factory, spill):
+    """``[deployment] worker_spill_mib``: any finite number >= 0 is taken (0, the default: shares in
+    memory) and written back by ``render_config``; anything else is refused in one line naming it."""
+    d = tmp_path_factory.mktemp("spill")
+    p = d / "c.toml"
+    assert load_config(_written(p, "")).worker_spill_mib == 0.0
+    value = (repr(spill) if not isinstance(spill, float) or math.isfinite(spill) else
+             {True: "inf", False: "-inf"}[spill > 0] if not math.isnan(spill) else "nan")
+    value = value.replace("'", '"') if isinstance(spill, str) else value.lower() if isinstance(spill, bool) else value
+    ok = not isinstance(spill, (bool, str)) and math.isfinite(spill) and spill >= 0
+    if ok:
+        cfg = load_config(_written(p, value))
+        assert cfg.worker_spill_mib == float(spill)
+        assert load_config(_written(d / "full.toml", None, render_config(cfg))).worker_spill_mib == float(spill)
+    else:
+        try:
+            load_config(_written(p, value))
+        except ConfigError as exc:
+            assert "worker_spill_mib must be a number >= 0" in str(exc) and "\n" not in str(exc)
+        else:
+            raise AssertionError(f"worker_spill_mib = {value} was taken")
+
+
+def _written(p, spill, text=None):
+    p.write_text(text if text is not None else "[deployment]\n" + ("" if not spill else f"worker_spill_mib = {spill}\n"))
+    return p
 
 
 def test_exact_ring_aggregation_equals_integer_fedavg():

@@ -227,48 +227,84 @@ def test_a_server_with_workers_and_no_worker_certificates_refuses_to_start_in_on
 
 
 @given(ops=st.lists(st.tuples(st.sampled_from(["put", "beside", "drop"]), st.sampled_from([0, 1, 10, 11]),
-                              st.integers(0, 40)), max_size=30))
-def test_a_worker_zeroes_every_share_it_lets_go_and_counts_what_it_holds(tmp_path_factory, ops):
+                              st.integers(0, 40)), max_size=30),
+       spill=st.sampled_from([0.0, 100 / 2**20]))
+def test_a_worker_zeroes_every_share_it_lets_go_and_counts_what_it_holds(tmp_path_factory, ops, spill):
     """``put`` (a new name, or a name again), a share kept beside a name (``v1#mask``, as a
     column's reused mask is), ``drop``: every share the worker lets go of, the name's and those
-    beside it, is zeroed in place (erasure must not leave it in freed memory), no other name's
-    goes (``v1`` never takes ``v10``'s), and ``state`` reports the shares and bytes held now and at
-    most, against a dictionary kept beside it."""
+    beside it, is zeroed in place (erasure must not leave it in freed memory) or, spilled to a
+    file (``spill_mib``: here shares of 100 bytes up), its file is gone; no other name's goes
+    (``v1`` never takes ``v10``'s); every share kept reads back as put, in memory or mapped from
+    its file; and ``state`` reports the shares and bytes held (and spilled) now and at most,
+    against a dictionary kept beside it."""
     from servers.workers.shard_worker import ShardWorker
 
     keys = tmp_path_factory.getbasetemp() / "worker-held-keys"
     if not keys.exists():
         tls.init_keys(keys, workers=1)
     saved = tempfile.tempdir          # a worker points its process's temporary files at its own directory
-    w = ShardWorker(0, 0, str(keys), offline="dealer")
+    w = ShardWorker(0, 0, str(keys), offline="dealer", spill_mib=spill)
+
+    def released(held) -> bool:
+        return not os.path.exists(held.path) if hasattr(held, "path") else not held.any()
+
     try:
-        model: dict[str, int] = {}
-        peak = 0
+        model: dict[str, np.ndarray] = {}
+        peak = peak_spilled = 0
         for op, k, size in ops:
             name = f"v{k}"
             if op in ("put", "beside"):
                 if op == "beside":
                     name += "#mask"
                 before = w._shares.get(name)
-                w.put(name, np.full(size, k + 1, dtype=np.int64))
+                value = np.arange(size, dtype=np.int64) * (k + 1) - 7
+                w.put(name, value)
                 if before is not None:
-                    assert not before.any()
-                model[name] = 8 * size
+                    assert released(before)
+                model[name] = value
             else:
                 gone = [n for n in model if n == name or n.startswith(name + "#")]
                 before = [w._shares[n] for n in gone]
                 assert w.drop([name]) == (1 if name in model else 0)
-                assert not any(a.any() for a in before)
+                assert all(released(h) for h in before)
                 assert not any(w.has(n) for n in gone)
                 for n in gone:
                     model.pop(n)
-            assert all(w.has(n) for n in model)
-            peak = max(peak, sum(model.values()))
+            assert all(w.has(n) and np.array_equal(w.share(n), v) for n, v in model.items())
+            held = sum(v.nbytes for v in model.values())
+            peak = max(peak, held)
             st_ = w.state()
-            assert (st_["shares"], st_["bytes"], st_["peak_bytes"]) == (len(model), sum(model.values()), peak)
+            assert (st_["shares"], st_["bytes"], st_["peak_bytes"]) == (len(model), held, peak)
+            spilled = sum(v.nbytes for v in model.values() if spill and v.nbytes >= 100)
+            peak_spilled = max(peak_spilled, spilled)
+            assert (st_["spilled_bytes"], st_["peak_spilled_bytes"]) == (spilled, peak_spilled)
+            files = os.listdir(w._spill_dir) if os.path.isdir(w._spill_dir) else []
+            assert len(files) == sum(1 for v in model.values() if spill and v.nbytes >= 100)
     finally:
         w.shutdown()
         tempfile.tempdir = saved
+
+
+def test_a_spilled_share_changed_in_place_by_a_program_keeps_the_change(tmp_path):
+    """A program may write into the array ``share`` hands it (it does for the in-memory form):
+    a spilled share's map is the file itself, so the next reader sees the change."""
+    from servers.workers.shard_worker import ShardWorker
+
+    tls.init_keys(tmp_path, workers=1)
+    saved = tempfile.tempdir
+    w = ShardWorker(0, 0, str(tmp_path), offline="dealer", spill_mib=1 / 2**20)
+    try:
+        w.put("y", np.arange(1000, dtype=np.int64))
+        a = w.share("y")
+        a[10:20] = -1
+        del a
+        want = np.arange(1000, dtype=np.int64)
+        want[10:20] = -1
+        assert np.array_equal(w.share("y"), want) and w.state()["spilled_bytes"] == 8000
+    finally:
+        w.shutdown()
+        tempfile.tempdir = saved
+    assert not os.path.exists(w._tmp)
 
 
 @given(dim=st.integers(1, 50), k=st.integers(1, 4), seed=st.integers(0, 2**32 - 1), seeded=st.booleans())
