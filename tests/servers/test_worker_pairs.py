@@ -350,3 +350,22 @@ def test_a_worker_loads_its_slice_of_a_stored_update_from_its_own_directory(tmp_
             w.shutdown()
     finally:
         tempfile.tempdir = saved
+
+
+@pytest.mark.parametrize("spill", [0.0, 3.5])
+def test_the_daemons_workers_get_the_configs_spill_budget(tmp_path, spill):
+    """``[deployment] worker_spill_mib`` reaches every worker the daemon starts: its options are
+    ``ShardWorker`` keywords (a misspelt one would fail only when Ray starts the actor)."""
+    import inspect
+
+    from common.service_config import load_config, write_scratch_deployment
+    from servers.workers.server_workers import ServerWorkers
+    from servers.workers.shard_worker import ShardWorker
+
+    path = write_scratch_deployment(tmp_path, clients=1, offline="dealer", workers=2)
+    text = path.read_text().replace("worker_spill_mib = 0.0", f"worker_spill_mib = {spill}")
+    path.write_text(text)
+    for rank in (0, 1):
+        opts = ServerWorkers(load_config(path), rank, 100)._options()
+        assert opts["spill_mib"] == spill
+        assert set(opts) <= set(inspect.signature(ShardWorker.__init__).parameters)
