@@ -201,6 +201,10 @@ class ShardWorker:
             with open(path, "wb") as f:
                 np.ascontiguousarray(arr).tofile(f)
         except OSError as exc:
+            try:
+                os.unlink(path)       # a part written before the disk filled
+            except OSError:
+                pass
             raise WorkerError(f"{self.name}: cannot write a share to its spill directory {self._spill_dir}: "
                               f"{exc}; free space there (the worker's TMPDIR chooses the disk) or keep shares "
                               f"in memory ([deployment] worker_spill_mib = 0)") from None

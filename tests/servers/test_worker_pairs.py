@@ -369,3 +369,35 @@ def test_the_daemons_workers_get_the_configs_spill_budget(tmp_path, spill):
         opts = ServerWorkers(load_config(path), rank, 100)._options()
         assert opts["spill_mib"] == spill
         assert set(opts) <= set(inspect.signature(ShardWorker.__init__).parameters)
+
+
+def test_a_share_that_cannot_be_spilled_fails_in_one_line_and_leaves_nothing_half_written(tmp_path, monkeypatch):
+    """The disk under the spill directory fills while a share is written: ``put`` fails with one
+    ``WorkerError`` line naming the directory and the way out, the part written is removed, and
+    the share the name held before is still there, counted as before."""
+    import builtins
+
+    import servers.workers.shard_worker as sw
+
+    tls.init_keys(tmp_path, workers=1)
+    saved = tempfile.tempdir
+    w = sw.ShardWorker(0, 0, str(tmp_path), offline="dealer", spill_mib=1 / 2**20)
+    try:
+        w.put("y", np.arange(100, dtype=np.int64))
+
+        def full_disk(path, mode="r", *args, **kwargs):
+            with builtins.open(path, mode, *args, **kwargs) as f:
+                f.write(b"\x01" * 24)
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(sw, "open", full_disk, raising=False)
+        with pytest.raises(sw.WorkerError) as err:
+            w.put("y", np.full(100, 7, dtype=np.int64))
+        msg = str(err.value)
+        assert "\n" not in msg and w._spill_dir in msg and "No space left" in msg and "worker_spill_mib = 0" in msg
+        assert os.listdir(w._spill_dir) == ["1.i64"]          # the first share's file only
+        assert np.array_equal(w.share("y"), np.arange(100)) and w.state()["spilled_bytes"] == 800
+    finally:
+        monkeypatch.undo()
+        w.shutdown()
+        tempfile.tempdir = saved
