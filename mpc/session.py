@@ -57,12 +57,16 @@ def shared_engine_pool():
     every one of them."""
     global _engine_pool
     if _engine_pool is None:
-        import atexit
+        import multiprocessing.util
 
         from .engine_pool import EnginePool  # imports nothing of SPU: the engine process does
 
         _engine_pool = EnginePool()
-        atexit.register(_engine_pool.close)   # before multiprocessing joins the engine processes
+        # closed by multiprocessing's exit function before it joins this process's children, the
+        # engines among them: that function runs at a main process's exit (atexit) and at the end
+        # of a multiprocessing child, which skips atexit (an atexit-only close left a benchmark's
+        # coordinators joining their engines forever, until their parent killed them)
+        multiprocessing.util.Finalize(None, _engine_pool.close, exitpriority=100)
     return _engine_pool
 
 

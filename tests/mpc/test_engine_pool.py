@@ -162,3 +162,22 @@ def test_an_engine_whose_server_died_ends_itself(tmp_path):
     while _running(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _running(pid), f"engine {pid} outlived its server"
+
+
+def test_a_process_that_ends_with_an_engine_in_its_pool_ends_at_once():
+    """A multiprocessing child (a benchmark's coordinator, a test's party) returns with an engine
+    still in its shared pool: the pool is closed by multiprocessing's own exit function before it
+    joins the child's children, so the process ends in seconds (before, the pool was closed only
+    by atexit, which such a process never runs, and it joined its engine forever)."""
+    import multiprocessing as mp
+
+    from tests.helpers.pool_exit import end_with_an_engine_in_the_pool
+
+    p = mp.get_context("spawn").Process(target=end_with_an_engine_in_the_pool)
+    p.start()
+    p.join(60)
+    try:
+        assert not p.is_alive() and p.exitcode == 0, "the process waited for its engine's process"
+    finally:
+        if p.is_alive():
+            p.kill()
