@@ -57,11 +57,6 @@ def connect_cluster(rank: int, workers: int, *, ray_address: str | None = None,
     # pass through the object store, and erasure must not have to find them in spill files
     # worker k's resource (its name, one unit) pins it to the node of its shard's directory; a local
     # cluster is that node for every shard
-    if not ray_address:
-        # Ray's token authentication, which a new local cluster turns on by itself, asked for by
-        # name: the same protection (its token in ~/.ray/auth_token) without Ray's warning line on
-        # stderr at every start; an operator's own RAY_AUTH_MODE is kept
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
     local = {} if ray_address else {"num_cpus": max(os.cpu_count() or 1, int(workers * cpus_per_worker)),
                                     "resources": {tls.party_name(rank, k): 1 for k in range(tls.MAX_WORKERS)},
                                     "_temp_dir": str(ray_dir) if ray_dir else None,

@@ -106,7 +106,7 @@ def test_scaling_measures_each_link_profile(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
-def test_unlearning_benchmark_on_two_workers_per_server_equals_the_twin(tmp_path, capfd):
+def test_unlearning_benchmark_on_two_workers_per_server_equals_the_twin(tmp_path):
     """``bench unlearning --workers 2`` (each server a coordinator and 2 Ray workers in its own
     cluster) on a BRACE-made history, replayed with BRACE's vote, each shard's by its pair (the
     twin replays it with the same rule): both servers' models equal, and the run's public
@@ -125,9 +125,6 @@ def test_unlearning_benchmark_on_two_workers_per_server_equals_the_twin(tmp_path
     doc = json.loads(out.read_text())
     res = doc["result"]
     assert doc["correct"] and res["servers_agree"] and res["workers"] == 2
-    # each server's local cluster runs with Ray's token authentication, asked for by name, so Ray
-    # prints no warning about it (it did, once per coordinator)
-    assert "Token authentication" not in capfd.readouterr().err
     twin = res["plaintext_twin"]
     assert twin["selected_rounds_equal"] and twin["flags_equal"] and twin["max_abs_diff"] <= 1e-3
     cfg = synthetic.config("tiny").with_(aggregator=aggregator)
