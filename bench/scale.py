@@ -26,9 +26,10 @@ predicts one Stage II for D up to 100M, N up to 1,000 and K workers:
   coordinator's own step meters (``STEP_GROUPS``: UE on the estimated rows; SecTC, the pair
   updates and the corrections on the checked rows; the replayed rounds' aggregates on T';
   round selection and TD on the T rounds), the rest of the job's seconds on r x T' + t0: each of
-  the K pairs has its D / K coordinates of every row to do and p of them run at once (p = min(K, cores per server); the calibration machine's cores
-  are shared by both servers' workers, so there p = min(K, cores / 2); a prediction takes
-  ``--cores`` per server, default one core per worker: p = K); r is the cost of a replayed round
+  the K pairs has its D / K coordinates of every row to do and p of them run at once
+  (p = min(K, cores per server); the calibration machine's cores are shared by both servers'
+  workers, so there p = min(K, cores / 2); a prediction takes ``--cores`` per server, default
+  one core per worker: p = K); r is the cost of a replayed round
   that does not grow with D (the coordinators' small solves and checks, the calls to the workers).
 
 m, m0, q and n0, n1, n2 are least-squares fits over the runs (the worker's memory only over runs
@@ -139,8 +140,7 @@ def fit(runs: list[dict]) -> dict[str, float]:
     batch = block_for(runs[0]["offline"])
     mem = np.vstack([np.ones_like(held), held, np.minimum(held, batch)]).T
     m0, m, q = np.linalg.lstsq(mem, np.array([r["worker_peak_mib"] for r in in_memory]), rcond=None)[0]
-    every = np.array([r["N"] * r["D"] / r["K"] for r in runs], float)
-    coord = np.vstack([np.ones_like(every), [r["T"] * r["D"] for r in runs], [r["K"] for r in runs]]).T
+    coord = np.vstack([np.ones(len(runs)), [r["T"] * r["D"] for r in runs], [r["K"] for r in runs]]).T
     n0, n1, n2 = np.linalg.lstsq(coord, np.array([r["coordinator_peak_mib"] for r in runs]), rcond=None)[0]
     # both servers' workers share the calibration machine's cores
     per_core = np.array([r["D"] / _parallel(r["K"], r["cores"] / 2) for r in runs], float)
@@ -234,9 +234,10 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
             got = held[0]
             pr = predict(fit(rest), got["D"], got["N"], got["K"], T=got["T"], sigma=got["sigma"], beta=got["beta"],
                          buffer=got["buffer"], cores_per_server=got["cores"] / 2)
-            check = {"run": got["file"], "spilled": got["spilled"], "measured": {"seconds": got["job_s"], "pair_gb": got["pair_bytes"] / 1e9,
-                                                     "worker_peak_gib": got["worker_peak_mib"] / 1024,
-                                                     "coordinator_peak_gib": got["coordinator_peak_mib"] / 1024},
+            check = {"run": got["file"], "spilled": got["spilled"],
+                     "measured": {"seconds": got["job_s"], "pair_gb": got["pair_bytes"] / 1e9,
+                                  "worker_peak_gib": got["worker_peak_mib"] / 1024,
+                                  "coordinator_peak_gib": got["coordinator_peak_mib"] / 1024},
                      "predicted": {k: pr[k] for k in ("seconds", "pair_gb", "worker_peak_gib", "coordinator_peak_gib")}}
         model = fit(runs)
     except (ValueError, OSError, KeyError) as exc:
