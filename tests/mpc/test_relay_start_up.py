@@ -27,7 +27,12 @@ def _free_port() -> int:
 
 def test_a_connection_waits_for_a_target_that_listens_late_and_carries_its_bytes():
     assert CONNECT_PATIENCE >= 2.0
-    port = _free_port()                       # nothing listens there yet
+    # the target's port is held (bound) from the start but refuses until it listens: a port only
+    # picked free could be taken meanwhile by any outgoing connection on the machine (a CI run
+    # failed so: "Address already in use" when the late server bound it)
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
     relays = RelayPair(Meter(), lambda: "online")
     try:
         entry = relays.open_inbound(("127.0.0.1", port))
@@ -35,11 +40,11 @@ def test_a_connection_waits_for_a_target_that_listens_late_and_carries_its_bytes
 
         def late_server() -> None:
             time.sleep(1.0)                   # the target starts listening a second later
-            with socket.create_server(("127.0.0.1", port)) as srv:
-                conn, _ = srv.accept()
-                with conn:
-                    got.append(conn.recv(5))
-                    conn.sendall(b"world")
+            srv.listen()
+            conn, _ = srv.accept()
+            with conn:
+                got.append(conn.recv(5))
+                conn.sendall(b"world")
 
         t = threading.Thread(target=late_server, daemon=True)
         t.start()
@@ -51,6 +56,7 @@ def test_a_connection_waits_for_a_target_that_listens_late_and_carries_its_bytes
         assert got == [b"hello"]
     finally:
         relays.close()
+        srv.close()
 
 
 def test_a_target_that_never_listens_is_given_up_after_the_patience(monkeypatch):
